@@ -1,0 +1,1 @@
+"""Off-policy LLM RL math (temporary minimal __init__ while modules are being written)."""

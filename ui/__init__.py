@@ -1,0 +1,1 @@
+"""User interfaces: the typer CLI (and, later, the web dashboard)."""
