@@ -20,6 +20,12 @@ algorithms_app = typer.Typer(help="Inspect the off-policy algorithms library.",
 app.add_typer(algorithms_app, name="algorithms")
 
 
+def _fail(message: str) -> None:
+    """A user error: one line on stderr naming the problem and the fix, exit code 1."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
 def _version() -> str:
     try:
         return version("asyncrl")
@@ -66,7 +72,8 @@ def list_algorithms() -> None:
 @algorithms_app.command("diagnose")
 def diagnose_metrics(
     metrics_file: Path = typer.Argument(
-        ..., help="JSON file: a flat {metric: value} dict, or {metric: [values, oldest first]}."
+        ..., metavar="METRICS_JSON",
+        help="JSON file: a flat {metric: value} dict, or {metric: [values, oldest first]}.",
     ),
 ) -> None:
     """Run seed 001's A–F decision tree on logged metrics and print causes, evidence and fixes."""
@@ -74,26 +81,24 @@ def diagnose_metrics(
 
     try:
         data = json.loads(metrics_file.read_text())
-    except FileNotFoundError:
-        raise typer.BadParameter(
-            f"{metrics_file} does not exist; pass a metrics JSON file") from None
+    except (FileNotFoundError, IsADirectoryError):
+        _fail(f"{metrics_file} is not a file; pass the path of a metrics JSON file")
     except json.JSONDecodeError as e:
-        raise typer.BadParameter(
-            f"{metrics_file} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        _fail(f"{metrics_file} is not valid JSON ({e.msg} at line {e.lineno}); fix the file")
     if not isinstance(data, dict):
-        raise typer.BadParameter(f"{metrics_file} must hold a JSON object of metric names")
+        _fail(f"{metrics_file} must hold a JSON object {{metric: value}}")
     latest: dict[str, float] = {}
     history: dict[str, list[float]] = {}
     for key, value in data.items():
         if isinstance(value, list):
             if not value or not all(isinstance(v, int | float) for v in value):
-                raise typer.BadParameter(f"metric {key!r} must be a number or a list of numbers")
+                _fail(f"metric {key!r} must be a number or a non-empty list of numbers")
             history[key] = [float(v) for v in value]
             latest[key] = float(value[-1])
         elif isinstance(value, int | float):
             latest[key] = float(value)
         else:
-            raise typer.BadParameter(f"metric {key!r} must be a number or a list of numbers")
+            _fail(f"metric {key!r} must be a number or a non-empty list of numbers")
     result = diagnose(latest, history=history)
     if result.healthy:
         typer.echo("healthy: no meaningful drift (seed 001, step 1)")

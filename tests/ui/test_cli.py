@@ -46,7 +46,11 @@ def test_diagnose_bad_input_is_one_line_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     res = runner.invoke(app, ["algorithms", "diagnose", str(bad)])
-    assert res.exit_code == 2 and "not valid JSON" in res.output
-    assert "Traceback" not in res.output
+    assert res.exit_code == 1
+    assert res.stderr.startswith("error: ") and "not valid JSON" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.exception.__class__ is SystemExit
     res = runner.invoke(app, ["algorithms", "diagnose", str(tmp_path / "missing.json")])
-    assert res.exit_code == 2 and "does not exist" in res.output
+    assert res.exit_code == 1 and "is not a file" in res.stderr
+    bad.write_text('{"mismatch/kl_k1": "high"}')
+    res = runner.invoke(app, ["algorithms", "diagnose", str(bad)])
+    assert res.exit_code == 1 and "must be a number" in res.stderr

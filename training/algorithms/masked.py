@@ -126,10 +126,24 @@ def tail_stats(values: torch.Tensor, mask: torch.Tensor | None = None, prefix: s
         out[f"{prefix}max"] = 0.0
         return out
     out[f"{prefix}mean"] = flat.mean().item()
-    qs = torch.quantile(flat, torch.tensor(quantiles, dtype=torch.float64))
-    for q, v in zip(quantiles, qs.tolist(), strict=True):
+    for q, v in zip(quantiles, sorted_quantiles(flat, quantiles), strict=True):
         out[f"{prefix}p{round(q * 100)}"] = v
     out[f"{prefix}max"] = flat.max().item()
+    return out
+
+
+def sorted_quantiles(flat: torch.Tensor, quantiles: tuple[float, ...]) -> list[float]:
+    """Quantiles of a non-empty 1-D tensor with linear interpolation (as ``torch.quantile``),
+    by one sort, so it works beyond ``torch.quantile``'s 2**24-element limit."""
+    ordered = torch.sort(flat).values
+    n = ordered.numel()
+    out = []
+    for q in quantiles:
+        pos = q * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        frac = pos - lo
+        out.append((ordered[lo] + (ordered[hi] - ordered[lo]) * frac).item())
     return out
 
 

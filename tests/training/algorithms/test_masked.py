@@ -11,7 +11,6 @@ from training.algorithms.masked import (
     sanitize,
     tail_stats,
 )
-from training.algorithms.registry import Registry
 
 NAN = math.nan
 
@@ -51,18 +50,3 @@ def test_tail_stats_valid_only():
     assert s == {"q/mean": 2.0, "q/p50": 2.0, "q/p90": pytest.approx(2.8),
                  "q/p99": pytest.approx(2.98), "q/max": 3.0}
     assert tail_stats(x, torch.zeros(1, 4), prefix="e/")["e/max"] == 0.0
-
-
-def test_registry_errors():
-    reg: Registry = Registry("widget")
-
-    @reg.register("a")
-    def a():
-        return 1
-
-    reg.register("a")(a)  # same function again is fine
-    with pytest.raises(ValueError, match="already registered"):
-        reg.register("a")(lambda: 2)
-    with pytest.raises(KeyError, match="valid names: a"):
-        reg.get("b")
-    assert reg.names() == ["a"] and "a" in reg and len(reg) == 1
