@@ -167,11 +167,11 @@ def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: t
     Args:
         log_prob (B, T), ref_log_prob (B, T), response_mask (B, T), kind: see :func:`kl_penalty`.
     Returns:
-        (per-token KL (B, T), metrics) with ``policy/kl_loss_mean`` (mean over valid tokens) and
-        the tails ``policy/kl_loss_p50``, ``_p90``, ``_p99``, ``_max`` over valid tokens.
+        (per-token KL (B, T), metrics) with ``policy/kl_loss/mean`` (mean over valid tokens) and
+        the tails ``policy/kl_loss/{p50,p90,p99,max}`` over valid tokens.
     """
     kl = kl_penalty(log_prob, ref_log_prob, response_mask, kind)
-    return kl, tail_stats(kl, as_bool_mask(response_mask), prefix="policy/kl_loss_")
+    return kl, tail_stats(kl, as_bool_mask(response_mask), prefix="policy/kl_loss/")
 
 
 # --------------------------------------------------------------------------------------------

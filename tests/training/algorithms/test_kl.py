@@ -142,9 +142,9 @@ def test_kl_loss_metrics_hand_computed() -> None:
     kl, metrics = kl_loss(lp, ref, torch.tensor(MASK), "k2")
     assert_close(kl, torch.tensor([EXPECTED_VALUE["k2"]], dtype=torch.float64))
     # mean over the 3 valid tokens: (0.125 + 0 + 0.5) / 3; max 0.5; median 0.125
-    assert metrics["policy/kl_loss_mean"] == pytest.approx((0.125 + 0.0 + 0.5) / 3)
-    assert metrics["policy/kl_loss_max"] == pytest.approx(0.5)
-    assert metrics["policy/kl_loss_p50"] == pytest.approx(0.125)
+    assert metrics["policy/kl_loss/mean"] == pytest.approx((0.125 + 0.0 + 0.5) / 3)
+    assert metrics["policy/kl_loss/max"] == pytest.approx(0.5)
+    assert metrics["policy/kl_loss/p50"] == pytest.approx(0.125)
     assert all(isinstance(v, float) for v in metrics.values())
 
 
@@ -154,7 +154,7 @@ def test_zero_valid_tokens_gives_zero_not_nan() -> None:
     for kind in ALL_NAMES:
         kl, metrics = kl_loss(lp, ref, torch.zeros(2, 3), kind)
         assert torch.equal(kl, torch.zeros(2, 3))
-        assert metrics["policy/kl_loss_mean"] == 0.0
+        assert metrics["policy/kl_loss/mean"] == 0.0
         (g,) = torch.autograd.grad(kl.sum(), lp)
         assert torch.equal(g, torch.zeros(2, 3))
 
