@@ -208,8 +208,10 @@ def diagnose(
     noise = series("proxy3_pure_noise")
     if noise and noise[-1] > noise[0]:
         add("D", Evidence(METRIC_ALIASES["proxy3_pure_noise"][0], noise[-1], ">", noise[0]))
-    if chi2 and t.chi2_token_moderate < chi2[1] and "D" not in found and \
-            (ess is None or ess[1] >= t.ess_min):
+    # C: χ²_token > 0.3 but ≤ 1, ESS ≥ 0.5 (or unmeasured) and χ²_seq not exploding.
+    if chi2 and t.chi2_token_moderate < chi2[1] <= t.chi2_token_blowup \
+            and (ess is None or ess[1] >= t.ess_min) \
+            and (chi2_seq is None or chi2_seq[1] <= t.chi2_seq_blowup):
         add("C", Evidence(chi2[0], chi2[1], ">", t.chi2_token_moderate))
     # Step 1d: loss mechanics.
     clip = val("pg_clipfrac")

@@ -90,28 +90,35 @@ def compute_mismatch_metrics(
     rollout = sanitize(rollout_log_prob, valid).detach()
     log_ratio = clamped_log_ratio(train, rollout, valid)
     ratio = sanitize(torch.exp(log_ratio), valid)
-    abs_diff = sanitize((train - rollout).abs(), valid)
+    abs_diff = log_ratio.abs()
     k3 = sanitize(ratio - log_ratio - 1.0, valid)
 
     m: dict[str, float] = {}
     m.update(tail_stats(abs_diff, valid, prefix=f"{prefix}logprob_abs_diff/"))
-    m[f"{prefix}logprob_diff"] = masked_mean(train - rollout, valid).item()
+    m[f"{prefix}logprob_diff"] = masked_mean(log_ratio, valid).item()
     m[f"{prefix}kl_k1"] = masked_mean(-log_ratio, valid).item()
     m[f"{prefix}kl_k3"] = masked_mean(k3, valid).item()
     m.update(tail_stats(k3, valid, prefix=f"{prefix}kl_k3_token/"))
-    m[f"{prefix}chi2_token"] = (masked_mean(ratio * ratio, valid) - 1.0).item()
+    # With no valid token every statistic takes its "no mismatch" value (χ² 0, PPL ratio 1), so an
+    # empty or fully rejected batch never reads as drift.
+    any_valid = bool(valid.any())
+    m[f"{prefix}chi2_token"] = (masked_mean(ratio * ratio, valid) - 1.0).item() if any_valid \
+        else 0.0
     m.update(tail_stats(ratio, valid, prefix=f"{prefix}ratio/"))
 
     has_tokens = valid.any(dim=-1)
     seq_log_ratio = masked_sum(log_ratio, valid, dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    m[f"{prefix}chi2_seq"] = (masked_mean(torch.exp(2.0 * seq_log_ratio), has_tokens) - 1.0).item()
+    m[f"{prefix}chi2_seq"] = (
+        (masked_mean(torch.exp(2.0 * seq_log_ratio), has_tokens) - 1.0).item() if any_valid
+        else 0.0)
 
     ppl_train = torch.exp(-masked_mean(train, valid, dim=-1))
     ppl_rollout = torch.exp(-masked_mean(rollout, valid, dim=-1))
     m[f"{prefix}ppl_train"] = masked_mean(ppl_train, has_tokens).item()
     m[f"{prefix}ppl_rollout"] = masked_mean(ppl_rollout, has_tokens).item()
     m[f"{prefix}ppl_gap"] = masked_mean(ppl_train - ppl_rollout, has_tokens).item()
-    m[f"{prefix}ppl_ratio"] = masked_mean(ppl_train / ppl_rollout, has_tokens).item()
+    m[f"{prefix}ppl_ratio"] = (masked_mean(ppl_train / ppl_rollout, has_tokens).item()
+                               if any_valid else 1.0)
 
     p_train, p_rollout = sanitize(train.exp(), valid), sanitize(rollout.exp(), valid)
     m[f"{prefix}probs_pearson"] = probs_pearson(p_train, p_rollout, valid)
@@ -143,7 +150,7 @@ def compute_off_policy_diagnostics(
 
     Engine mismatch (π_old vs μ) under ``mismatch/*``; per-source IS weight statistics of CompIS
     under ``is/staleness/*`` and ``is/engine/*``; M2PO's second-moment percentiles of the full
-    behaviour gap (π_prox vs μ) under ``m2po/*`` (the mask itself is not applied here).
+    behaviour gap (π_prox vs μ) under ``rs/m2po/*`` (the mask itself is not applied here).
     """
     metrics = compute_mismatch_metrics(old_log_prob, rollout_log_prob, response_mask, entropy)
     metrics.update(compute_compis_weights(proximal_log_prob, old_log_prob, rollout_log_prob,

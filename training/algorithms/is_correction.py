@@ -78,6 +78,9 @@ class SourceCorrection:
                 f"unknown IS correction method {self.method!r}; use one of {CORRECTION_METHODS}"
             )
         lo, hi = self.bounds()
+        if self.method == "cap" and self.lower is not None:
+            raise ValueError("cap is one-sided: it takes only an upper bound; use clip or icepop "
+                             "for a lower bound")
         if lo is not None and lo < 0:
             raise ValueError(f"lower bound must be >= 0, got {lo}")
         if hi is not None and hi <= 0:
@@ -112,9 +115,12 @@ def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> torch.Te
         weights: (B, T) or (B,) non-negative weights.
         mask: same shape as ``weights``.
     Returns:
-        scalar tensor; 1 when all weights are equal, 0 when every weight is 0.
+        scalar tensor; 1 when all weights are equal (and, by convention, when nothing is valid:
+        no sample, no variance), 0 when every weight is 0.
     """
     w = sanitize(weights.detach(), mask)
+    if not bool(as_bool_mask(mask).any()):
+        return torch.ones((), dtype=w.dtype)
     mean = masked_mean(w, mask)
     if mean <= 0:
         return torch.zeros((), dtype=w.dtype)
@@ -146,7 +152,11 @@ def compute_is_correction(
         ``kl_k3`` of the ratio, and tails ``ratio/{mean,p50,p90,p99,max}``.
     """
     if isinstance(method, SourceCorrection):
-        cfg = method if bounds is None else SourceCorrection(method.method, *bounds)
+        cfg = method
+        if bounds is not None:
+            cfg = SourceCorrection(method.method,
+                                   method.lower if bounds[0] is None else bounds[0],
+                                   method.upper if bounds[1] is None else bounds[1])
     else:
         cfg = SourceCorrection(method, *(bounds or (None, None)))
     lower, upper = cfg.bounds()
@@ -181,7 +191,7 @@ def compute_is_correction(
         "weight_std": (w_valid.std(unbiased=False).item() if w_valid.numel() > 1 else 0.0),
         "weight_min": (w_valid.min().item() if w_valid.numel() else 0.0),
         "weight_max": (w_valid.max().item() if w_valid.numel() else 0.0),
-        "ess": (effective_sample_size(weight, valid).item() if w_valid.numel() else 0.0),
+        "ess": effective_sample_size(weight, valid).item(),
         "clip_frac": (masked_count(clipped) / n).item(),
         "clip_frac_upper": (masked_count(clipped & above) / n).item(),
         "clip_frac_lower": (masked_count(clipped & below) / n).item(),
@@ -256,8 +266,7 @@ def compute_compis_weights(
     n = masked_count(valid).clamp(min=1).to(weight.dtype)
     metrics = {**stale.metrics, **engine.metrics}
     metrics["is/combined/weight_mean"] = masked_mean(weight, valid).item()
-    metrics["is/combined/ess"] = (effective_sample_size(weight, valid).item()
-                                  if bool(valid.any()) else 0.0)
+    metrics["is/combined/ess"] = effective_sample_size(weight, valid).item()
     metrics["is/combined/mask_frac"] = (masked_count(valid & ~keep) / n).item()
     return CompISWeights(weight=weight.detach(), keep_mask=keep, staleness=stale, engine=engine,
                          metrics=metrics)
@@ -330,8 +339,10 @@ def decoupled_ppo_loss(
     """
     from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig
 
-    method = SourceCorrection("cap", upper=behaviour_weight_cap) if behaviour_weight_cap \
-        else SourceCorrection("none")
+    if behaviour_weight_cap is not None and not behaviour_weight_cap > 0:
+        raise ValueError(f"behaviour_weight_cap must be > 0 or None, got {behaviour_weight_cap}")
+    method = (SourceCorrection("none") if behaviour_weight_cap is None
+              else SourceCorrection("cap", upper=behaviour_weight_cap))
     corr = compute_is_correction(proximal_log_prob, behaviour_log_prob, response_mask, method,
                                  prefix="is/staleness/")
     loss, metrics = POLICY_LOSSES.get("vanilla")(

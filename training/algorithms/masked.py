@@ -55,7 +55,7 @@ def clamped_log_ratio(
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` over valid positions (all positions if ``dim`` is None)."""
+    """Sum of ``values`` (B, T) over valid positions: a scalar, or per ``dim`` (e.g. (B,))."""
     v = sanitize(values, mask)
     return v.sum() if dim is None else v.sum(dim=dim)
 
@@ -73,6 +73,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance over all valid positions (Bessel-corrected when ``unbiased`` and n > 1)."""
+    values = sanitize(values, mask)
     mean = masked_mean(values, mask)
     sq = masked_sum((values - mean) ** 2, mask)
     n = masked_count(mask).to(values.dtype)
@@ -83,6 +84,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
     """(values - mean) / std over valid positions; masked positions are returned as 0."""
+    values = sanitize(values, mask)
     mean = masked_mean(values, mask)
     var = masked_var(values, mask)
     out = (values - mean) * torch.rsqrt(var + eps)
@@ -92,13 +94,13 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Max over valid positions; -inf where there is no valid position."""
+    """Max of ``values`` (B, T) over valid positions (scalar or per ``dim``); -inf if none."""
     v = sanitize(values, mask, fill=-math.inf)
     return v.max() if dim is None else v.max(dim=dim).values
 
 
 def masked_min(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Min over valid positions; +inf where there is no valid position."""
+    """Min of ``values`` (B, T) over valid positions (scalar or per ``dim``); +inf if none."""
     v = sanitize(values, mask, fill=math.inf)
     return v.min() if dim is None else v.min(dim=dim).values
 

@@ -56,7 +56,8 @@ def m2po_mask(
     """M2PO second-moment masking (arXiv:2510.01161; seed 000 stage 2).
 
     Mean-threshold rule: sort the valid tokens' m2 in descending order and mask the k largest,
-    with k the smallest count such that the mean m2 of the remaining tokens is ≤ ``threshold``
+    with k the smallest count such that the mean m2 of the remaining tokens is at or below
+    ``threshold``
     (k = 0 when the batch mean is already within budget). The mean is over the whole batch of
     valid tokens. With ``max_cutoff`` set, the per-token variant is used instead: every token
     with m2 > max_cutoff is masked (seed 000's ``--m2-max-cutoff``).
@@ -68,9 +69,14 @@ def m2po_mask(
         threshold: τ_M2, the budget on the mean second moment.
         max_cutoff: per-token hard cutoff on m2 (variant), or None for the mean rule.
     Returns:
-        :class:`MaskResult`; metrics ``m2po/mask_frac``, ``m2po/masked_tokens``, ``m2po/m2_mean``
-        (before masking), ``m2po/m2_mean_kept`` and the tails ``m2po/m2/{mean,p50,p90,p99,max}``.
+        :class:`MaskResult`; metrics ``rs/m2po/mask_frac``, ``rs/m2po/masked_tokens``,
+        ``rs/m2po/m2_mean`` (before masking), ``rs/m2po/m2_mean_kept`` and the tails
+        ``rs/m2po/m2/{mean,p50,p90,p99,max}``.
     """
+    if not threshold >= 0:
+        raise ValueError(f"M2PO threshold must be >= 0, got {threshold}")
+    if max_cutoff is not None and not max_cutoff >= 0:
+        raise ValueError(f"M2PO max_cutoff must be >= 0 or None, got {max_cutoff}")
     valid = as_bool_mask(response_mask)
     m2 = second_moment(proximal_log_prob, behaviour_log_prob, valid)
     keep = valid.clone()
@@ -85,7 +91,7 @@ def m2po_mask(
             sorted_vals = values[order]
             # suffix_mean[k] = mean of sorted_vals[k:], k = 0..n-1 (k = n would leave nothing).
             suffix_sum = torch.flip(torch.cumsum(torch.flip(sorted_vals, [0]), 0), [0])
-            counts = torch.arange(n, 0, -1, dtype=values.dtype)
+            counts = torch.arange(n, 0, -1, dtype=values.dtype, device=values.device)
             suffix_mean = suffix_sum / counts
             within = (suffix_mean <= threshold).nonzero(as_tuple=True)[0]
             k = int(within[0].item()) if within.numel() else n
@@ -97,12 +103,12 @@ def m2po_mask(
     n_valid = masked_count(valid).clamp(min=1).to(m2.dtype)
     masked = valid & ~keep
     metrics = {
-        "m2po/mask_frac": (masked_count(masked) / n_valid).item(),
-        "m2po/masked_tokens": float(masked_count(masked).item()),
-        "m2po/m2_mean": masked_mean(m2, valid).item(),
-        "m2po/m2_mean_kept": masked_mean(m2, keep).item(),
+        "rs/m2po/mask_frac": (masked_count(masked) / n_valid).item(),
+        "rs/m2po/masked_tokens": float(masked_count(masked).item()),
+        "rs/m2po/m2_mean": masked_mean(m2, valid).item(),
+        "rs/m2po/m2_mean_kept": masked_mean(m2, keep).item(),
     }
-    metrics.update(tail_stats(m2, valid, prefix="m2po/m2/"))
+    metrics.update(tail_stats(m2, valid, prefix="rs/m2po/m2/"))
     return MaskResult(keep_mask=keep, metrics=metrics)
 
 
@@ -129,9 +135,11 @@ def opsm_mask(
         response_mask: (B, T).
         delta: δ, the KL threshold.
     Returns:
-        :class:`MaskResult`; metrics ``opsm/masked_seq_frac``, ``opsm/masked_seqs``,
-        ``opsm/kl/{mean,p50,p90,p99,max}`` over sequences.
+        :class:`MaskResult`; metrics ``rs/opsm/masked_seq_frac``, ``rs/opsm/masked_seqs``,
+        ``rs/opsm/kl/{mean,p50,p90,p99,max}`` over sequences.
     """
+    if not delta >= 0:
+        raise ValueError(f"OPSM delta must be >= 0, got {delta}")
     valid = as_bool_mask(response_mask)
     diff = clamped_log_ratio(rollout_log_prob, log_prob.detach(), valid)
     seq_kl = masked_mean(diff, valid, dim=-1)
@@ -142,8 +150,8 @@ def opsm_mask(
     keep = valid & ~reject.unsqueeze(-1)
     n_seq = int(has_tokens.sum().item())
     metrics = {
-        "opsm/masked_seq_frac": float(reject.sum().item()) / max(n_seq, 1),
-        "opsm/masked_seqs": float(reject.sum().item()),
+        "rs/opsm/masked_seq_frac": float(reject.sum().item()) / max(n_seq, 1),
+        "rs/opsm/masked_seqs": float(reject.sum().item()),
     }
-    metrics.update(tail_stats(seq_kl, has_tokens, prefix="opsm/kl/"))
+    metrics.update(tail_stats(seq_kl, has_tokens, prefix="rs/opsm/kl/"))
     return MaskResult(keep_mask=keep, metrics=metrics)

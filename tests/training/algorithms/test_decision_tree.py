@@ -68,3 +68,34 @@ def test_escalation_ladder():
     assert diagnose({**HEALTHY, "mismatch/chi2_token": 3.0}).escalation == "rs_plus_token_tis"
     assert diagnose({**HEALTHY, "mismatch/chi2_token": 5.0}).escalation == "systems_fix"
     assert diagnose({**HEALTHY, "is/combined/mask_frac": 0.3}).escalation == "systems_fix"
+
+
+def test_cause_a_probs_diff_max_and_ppl_ratio_branches():
+    d = diagnose({**HEALTHY, "mismatch/probs_abs_diff/max": 0.7})
+    assert d.causes == ("A",)
+    assert d.findings[0].evidence[0].metric == "mismatch/probs_abs_diff/max"
+    d = diagnose({**HEALTHY, "mismatch/ppl_ratio": 0.9})
+    ev = d.findings[0].evidence[0]
+    assert d.causes == ("A",) and (ev.op, ev.threshold) == ("<", 0.95)
+
+
+def test_cause_f_from_verl_length_name():
+    d = diagnose(HEALTHY, history={"response_length/mean": [200.0, 210.0, 260.0]})
+    assert d.causes == ("F",)
+
+
+def test_c_survives_an_unrelated_d_trigger():
+    d = diagnose({**HEALTHY, "mismatch/chi2_token": 0.5},
+                 history={"policy/proxy3_pure_noise": [0.1, 0.3]})
+    assert d.causes == ("C", "D")
+
+
+def test_empty_batch_from_real_modules_is_not_drift():
+    import torch
+
+    from training.algorithms.diagnostics import compute_off_policy_diagnostics
+
+    lp = torch.full((2, 3), -1.0)
+    metrics = compute_off_policy_diagnostics(lp, lp, lp, torch.zeros(2, 3, dtype=torch.bool))
+    d = diagnose(metrics)
+    assert d.causes == () and d.escalation == "rs_only"

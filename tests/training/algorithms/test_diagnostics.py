@@ -72,10 +72,11 @@ def test_identical_engines_report_no_mismatch(values):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.floats(-5, -0.1), st.floats(-5, -0.1), st.booleans()),
                 min_size=2, max_size=10),
-       st.sampled_from([math.nan, math.inf, -math.inf]))
-def test_masked_garbage_never_matters(rows, junk):
-    a = torch.tensor([[r[0] for r in rows], [r[1] for r in rows]], dtype=torch.float32)
-    b = torch.tensor([[r[1] for r in rows], [r[0] for r in rows]], dtype=torch.float32)
+       st.sampled_from([math.nan, math.inf, -math.inf]),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_masked_garbage_never_matters(rows, junk, dtype):
+    a = torch.tensor([[r[0] for r in rows], [r[1] for r in rows]], dtype=dtype)
+    b = torch.tensor([[r[1] for r in rows], [r[0] for r in rows]], dtype=dtype)
     mask = torch.tensor([[r[2] for r in rows], [True] + [False] * (len(rows) - 1)])
     clean = compute_off_policy_diagnostics(a, a, b, mask)
     dirty = compute_off_policy_diagnostics(torch.where(mask, a, junk), torch.where(mask, a, junk),
@@ -83,3 +84,28 @@ def test_masked_garbage_never_matters(rows, junk):
     assert clean.keys() == dirty.keys()
     for k in clean:
         assert clean[k] == pytest.approx(dirty[k]), k
+
+
+def test_chi2_seq_over_several_sequences():
+    # seq 0: ρ = [2, 2] → Π = 4; seq 1: ρ = [0.5] → Π = 0.5 ; χ²_seq = (16 + 0.25)/2 − 1
+    rollout = torch.full((2, 2), -1.0, dtype=torch.float64)
+    train = rollout + torch.tensor([[LN2, LN2], [-LN2, 123.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False]])
+    m = compute_mismatch_metrics(train, rollout, mask)
+    assert m["mismatch/chi2_seq"] == pytest.approx((16 + 0.25) / 2 - 1)
+    assert m["mismatch/chi2_token"] == pytest.approx((4 + 4 + 0.25) / 3 - 1)
+
+
+def test_empty_batch_is_neutral():
+    lp = torch.full((2, 3), -1.0, dtype=torch.float64)
+    m = compute_mismatch_metrics(lp, lp + 1, torch.zeros(2, 3))
+    assert m["mismatch/chi2_token"] == 0.0 and m["mismatch/chi2_seq"] == 0.0
+    assert m["mismatch/ppl_ratio"] == 1.0 and m["mismatch/kl_k1"] == 0.0
+
+
+def test_infinite_valid_log_prob_gives_finite_tails():
+    train = torch.tensor([[-1.0, -math.inf]])
+    rollout = torch.tensor([[-1.0, -1.0]])
+    m = compute_mismatch_metrics(train, rollout, torch.ones(1, 2))
+    assert m["mismatch/logprob_abs_diff/max"] == pytest.approx(20.0)   # ±20 bound
+    assert math.isfinite(m["mismatch/logprob_abs_diff/p50"])

@@ -242,3 +242,76 @@ def test_weights_are_detached():
     for method in CORRECTION_METHODS:
         out = compute_is_correction(num, den, torch.ones(1, 2), method)
         assert not out.weight.requires_grad
+
+
+def test_bounds_override_keeps_the_objects_own_bounds():
+    num, den = _pair([[0.4, 5.5]])
+    out = compute_is_correction(num, den, torch.ones(1, 2), SourceCorrection("icepop", 0.3, 4.0),
+                                bounds=(None, 6.0))
+    # band [0.3, 6.0]: both kept
+    assert out.keep_mask.tolist() == [[True, True]]
+    with pytest.raises(ValueError, match="one-sided"):
+        SourceCorrection("cap", lower=0.5)
+
+
+def test_empty_batch_ess_is_one():
+    lp = torch.zeros(2, 3)
+    out = compute_is_correction(lp, lp, torch.zeros(2, 3), "icepop")
+    assert out.metrics["ess"] == 1.0 and out.metrics["mask_frac"] == 0.0
+
+
+def test_decoupled_ppo_gradient():
+    # one kept token: loss = -w·r·A / 1 with w = π_prox/π_behav = 2, r = 1 → dL/dlogπ = -2·A
+    behav = torch.tensor([[-1.0]], dtype=torch.float64)
+    prox = behav + LN(2.0)
+    cur = prox.clone().requires_grad_(True)
+    loss, _ = decoupled_ppo_loss(cur, prox, behav, torch.tensor([[0.5]], dtype=torch.float64),
+                                 torch.ones(1, 1))
+    loss.backward()
+    assert cur.grad.item() == pytest.approx(-2.0 * 0.5)
+    with pytest.raises(ValueError, match="behaviour_weight_cap"):
+        decoupled_ppo_loss(cur, prox, behav, torch.ones(1, 1), torch.ones(1, 1),
+                           behaviour_weight_cap=0.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(finite, st.floats(-0.3, 0.3), st.floats(-0.3, 0.3),
+                          st.floats(-0.3, 0.3), st.floats(-1, 1), st.booleans()),
+                min_size=2, max_size=8),
+       st.sampled_from([math.nan, math.inf, -math.inf]),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_composite_losses_ignore_masked_garbage(rows, junk, dtype):
+    def col(i):
+        return torch.tensor([[r[i] for r in rows]], dtype=dtype)
+
+    mask = torch.tensor([[r[5] for r in rows]])
+    mask[0, 0] = True
+    rollout = col(0)
+    old = rollout + col(1)
+    prox = old + col(2)
+    cur = prox + col(3)
+    adv = col(4)
+
+    def dirty(x):
+        return torch.where(mask, x, torch.tensor(junk, dtype=dtype))
+
+    results = []
+    for tensors in ((cur, prox, old, rollout, adv), tuple(dirty(t) for t in
+                                                         (cur, prox, old, rollout, adv))):
+        c = tensors[0].clone().requires_grad_(True)
+        loss1, m1 = compis_policy_loss(c, *tensors[1:], mask)
+        loss2, _ = decoupled_ppo_loss(c, tensors[1], tensors[3], tensors[4], mask)
+        (loss1 + loss2).backward()
+        prox_ll, alpha = loglinear_proximal_log_prob(
+            tensors[3], tensors[0], torch.zeros_like(mask, dtype=torch.long), 2, mask)
+        results.append((loss1.detach(), loss2.detach(), c.grad, prox_ll, alpha, m1))
+    (a1, a2, ga, pa, aa, ma), (b1, b2, gb, pb, ab, mb) = results
+    assert a1.dtype == dtype
+    assert_close(a1, b1)
+    assert_close(a2, b2)
+    assert_close(ga, gb)
+    assert torch.isfinite(gb).all()
+    assert_close(pa, pb)
+    assert_close(aa, ab)
+    for k in ma:
+        assert ma[k] == pytest.approx(mb[k]), k

@@ -25,10 +25,10 @@ def test_m2po_mean_rule_masks_largest_until_mean_within_budget():
     prox, behav = _behav_prox([[0.5, -0.3, 0.1, 0.01]])
     res = m2po_mask(prox, behav, torch.ones(1, 4), threshold=0.04)
     assert res.keep_mask.tolist() == [[False, True, True, True]]
-    assert res.metrics["m2po/masked_tokens"] == 1.0
-    assert res.metrics["m2po/mask_frac"] == pytest.approx(0.25)
-    assert res.metrics["m2po/m2_mean"] == pytest.approx(0.3501 / 4)
-    assert res.metrics["m2po/m2_mean_kept"] == pytest.approx(0.1001 / 3)
+    assert res.metrics["rs/m2po/masked_tokens"] == 1.0
+    assert res.metrics["rs/m2po/mask_frac"] == pytest.approx(0.25)
+    assert res.metrics["rs/m2po/m2_mean"] == pytest.approx(0.3501 / 4)
+    assert res.metrics["rs/m2po/m2_mean_kept"] == pytest.approx(0.1001 / 3)
 
 
 def test_m2po_never_fires_on_heavy_tail_with_small_mean():
@@ -38,9 +38,9 @@ def test_m2po_never_fires_on_heavy_tail_with_small_mean():
     d[0, 0] = 1.0
     prox, behav = d - 1.0, torch.full_like(d, -1.0)
     res = m2po_mask(prox, behav, torch.ones_like(d, dtype=torch.bool), threshold=0.04)
-    assert res.metrics["m2po/mask_frac"] == 0.0
-    assert res.metrics["m2po/m2/max"] == pytest.approx(1.0)
-    assert res.metrics["m2po/m2/p50"] == pytest.approx(1e-8)
+    assert res.metrics["rs/m2po/mask_frac"] == 0.0
+    assert res.metrics["rs/m2po/m2/max"] == pytest.approx(1.0)
+    assert res.metrics["rs/m2po/m2/p50"] == pytest.approx(1e-8)
 
 
 def test_m2po_max_cutoff_variant():
@@ -58,8 +58,8 @@ def test_opsm_masks_only_negative_advantage_high_kl_sequences():
     adv = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
     res = opsm_mask(cur, rollout, adv, torch.ones(3, 2), delta=1e-4)
     assert res.keep_mask.tolist() == [[False, False], [True, True], [True, True]]
-    assert res.metrics["opsm/masked_seq_frac"] == pytest.approx(1 / 3)
-    assert res.metrics["opsm/kl/max"] == pytest.approx(0.01)
+    assert res.metrics["rs/opsm/masked_seq_frac"] == pytest.approx(1 / 3)
+    assert res.metrics["rs/opsm/kl/max"] == pytest.approx(0.01)
 
 
 @settings(max_examples=40, deadline=None)
