@@ -21,8 +21,9 @@ k3+     value of k3                                log_ratio   (gradient of k2)
   clamp its gradient is 0.
 * The "+" variants are straight-through estimators: ``k2 − k2.detach() + forward.detach()``,
   forward value of k1 / k3, gradient of k2 — an unbiased gradient of KL(π_θ ‖ π_ref) for on-policy
-  samples. (Seed 001: verl's k1+/k3+ raise NotImplementedError because the "+" is never
-  stripped before dispatch; these are implemented and tested here.)
+  samples. (Seed 001: at verl@70744059 k1+/k3+ raise NotImplementedError because the "+" is never
+  stripped before dispatch; verl 0.9.1 strips it, and its kl+/low_var_kl+ match ours in value and
+  gradient — see tests/training/algorithms/test_core_algos_verl_golden.py.)
 * verl's names are accepted as aliases by :func:`resolve_kl_estimator`: ``kl`` → k1,
   ``mse`` → k2, ``low_var_kl`` → k3, and ``kl+`` → k1+, ``low_var_kl+`` → k3+.
 

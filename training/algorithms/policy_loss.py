@@ -291,7 +291,8 @@ class PolicyLossConfig:
 
     dppo_is_cap: float = 20.0
     """DPPO truncated IS: the detached ratio is capped at this value (seed 001: "truncated IS
-    (threshold 20.0)"; verl default)."""
+    (threshold 20.0)"). verl's DPPO falls back to 20.0 only when ``clip_ratio_c`` is unset; its
+    default actor config sets ``clip_ratio_c = 3.0``, so a stock verl run caps at 3.0."""
 
     loss_scale_factor: float | None = None
     """Constant K of ``seq-mean-token-sum-norm`` (Dr.GRPO); None → the padded length T."""
@@ -751,7 +752,8 @@ def compute_policy_loss_gmpo(
     ``ℓ_i · mean_t w_t``). GMPO assumes sequence-level advantages.
 
     Metrics: ``pg_clipfrac`` = fraction of tokens whose log-ratio was actually capped (A > 0),
-    ``pg_clipfrac_lower`` = actually floored (A < 0).
+    ``pg_clipfrac_lower`` = actually floored (A < 0). verl's ``geo_mean`` also counts tokens outside
+    the band on the side the sign-aware clamp leaves alone, so its fractions are larger.
 
     Args:
         old_log_prob: (B, T) log π_old (detached).
@@ -942,7 +944,9 @@ def compute_policy_loss_kl_cov(
     valid tokens of largest centred covariance, β = ``ppo_kl_coef`` and k_t the per-token estimate
     of KL(π_old‖π_θ): ``abs`` → |log r_t| (verl ``compute_policy_loss_kl_cov``) or ``k3`` →
     r_t − 1 − log r_t. No ratio clipping (the penalty replaces it), so ``pg_clipfrac`` is 0.
-    Deterministic (top-k; ties broken by torch.topk).
+    Deterministic (top-k; ties broken by torch.topk). ``policy/ppo_kl`` is the package-wide k1
+    mean; the mean |log r| that verl reports as ``ppo_kl`` for this loss is
+    ``policy/kl_cov/abs_kl``.
 
     Args:
         old_log_prob: (B, T) log π_old (detached).
