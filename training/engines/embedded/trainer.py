@@ -1,0 +1,876 @@
+"""The embedded train engine: an fp32 :class:`~training.engines.model.CausalLM` trained with torch.
+
+Implements :class:`training.engines.train.TrainEngine` (read that module's docstring first: batch
+layout, routing modes R2/R3, micro-batch aggregation). This module adds what is specific to the
+embedded backend:
+
+* **Weights and versions.** fp32 weights on ``device`` (CPU by default). The version starts at the
+  loaded checkpoint's ``weight_version`` (0 for fresh weights) and increases by 1 per *applied*
+  optimizer step; a step whose gradient norm or loss is not finite is skipped (no update, no new
+  version, ``train/skipped_step = 1``).
+* **Snapshots** (seed 003, "snapshot-based version tracking"): right before an optimizer step
+  overwrites version v, a CPU copy of v is retained, so exact old log-probs of v stay computable
+  after the update (also per token, for partial rollouts spanning versions). Retained copies live
+  under a byte budget; the oldest versions are evicted first; asking for an evicted version raises
+  :class:`~training.engines.train.SnapshotUnavailableError` naming the retained versions.
+* **R2 routes.** Every free-routing forward of an MoE model remembers the experts it chose, keyed by
+  (token content, version), in a bounded FIFO cache; R2 replays them, or records them under the
+  retained snapshot of ``r2_version`` when they are not cached.
+* **Optimizer.** AdamW (decay on matrices and embeddings, none on norm weights), global-norm
+  gradient clipping, the learning rate set before each step from
+  :func:`~training.engines.train.lr_multiplier` (the schedule's state is the step counter).
+* **Checkpoints.** A checkpoint directory *is* an HF model directory (``save_hf_dir``: loadable by
+  the rollout server and by ``transformers``) plus ``trainer_state.pt`` (optimizer state, step,
+  version, optimizer config, RNG states of torch / numpy / python), the retained snapshots
+  (``snapshots/v<N>.safetensors``) and the R2 route cache (``r2_routes.safetensors``). Written
+  atomically. Resuming is exact: the next step after :meth:`load_checkpoint` computes bitwise the
+  same loss and weights as an uninterrupted run (tested on CPU). A path that is missing, empty, not
+  a trainer checkpoint or unreadable raises :class:`~training.engines.hf_io.CheckpointError` and
+  leaves the engine unchanged — never a silent start from random weights (seed 000, stage 1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, agg_loss
+from training.engines.hf_io import (
+    CheckpointError,
+    check_hf_dir,
+    load_hf_dir,
+    load_weights_into,
+    read_model_config,
+    read_state_dict,
+    save_hf_dir,
+)
+from training.engines.model import CausalLM, ModelConfig
+from training.engines.train import (
+    ACCUMULATION_MODES,
+    ROUTING_MODES,
+    LogProbResult,
+    OptimConfig,
+    SnapshotUnavailableError,
+    TokenBatch,
+    loss_agg_mode_for,
+    lr_multiplier,
+    micro_batch_slices,
+    micro_batch_weights,
+    sequence_key,
+)
+from training.tasks.tokenizer import CharTokenizer
+
+__all__ = [
+    "DEFAULT_SNAPSHOT_BUDGET_BYTES",
+    "TRAINER_STATE_FILE",
+    "EmbeddedTrainEngine",
+    "RouteCache",
+    "SnapshotStore",
+]
+
+DEFAULT_SNAPSHOT_BUDGET_BYTES = 256 * 2**20
+DEFAULT_ROUTE_CACHE_SEQUENCES = 50_000
+TRAINER_STATE_FILE = "trainer_state.pt"
+SNAPSHOT_DIR = "snapshots"
+ROUTE_CACHE_FILE = "r2_routes.safetensors"
+STATE_FORMAT = 1
+
+Weights = dict[str, torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------------------
+# Snapshots and route cache
+# ------------------------------------------------------------------------------------------------
+
+
+def _nbytes(weights: Weights) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+class SnapshotStore:
+    """CPU copies of recent weight versions within ``budget_bytes``; oldest evicted first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("snapshot budget must be >= 0 bytes (0 disables snapshots)")
+        self.budget_bytes = int(budget_bytes)
+        self._snaps: OrderedDict[int, Weights] = OrderedDict()
+        self._last_size = 0
+
+    def put(self, version: int, weights: Weights) -> None:
+        """Retain ``weights`` (already CPU copies) as ``version``, then evict down to the budget."""
+        self._snaps.pop(version, None)
+        self._snaps[version] = weights
+        self._last_size = _nbytes(weights)
+        while self._snaps and self.nbytes > self.budget_bytes:
+            self._snaps.popitem(last=False)
+
+    def get(self, version: int) -> Weights:
+        if version not in self._snaps:
+            raise SnapshotUnavailableError(self._missing_message(version))
+        return self._snaps[version]
+
+    def _missing_message(self, version: int) -> str:
+        if self.budget_bytes == 0:
+            why = "snapshots are disabled (snapshot_budget_bytes=0)"
+        elif not self._last_size:
+            why = "no version was retained yet: snapshots are taken right before an update"
+        else:
+            fit = self.budget_bytes // self._last_size
+            why = (f"retained snapshots: {self.versions() or 'none'}; snapshot_budget_bytes="
+                   f"{self.budget_bytes} holds {fit} snapshot(s) of {self._last_size} bytes")
+        return (f"weight version {version} is not available in this trainer ({why}). Raise "
+                "snapshot_budget_bytes, or compute the old log-probs before the update that "
+                "replaces that version")
+
+    def versions(self) -> list[int]:
+        return list(self._snaps)
+
+    def items(self) -> list[tuple[int, Weights]]:
+        return list(self._snaps.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(w) for w in self._snaps.values())
+
+    def drop(self, versions: Sequence[int]) -> None:
+        for v in versions:
+            self._snaps.pop(v, None)
+
+    def clear(self) -> None:
+        self._snaps.clear()
+
+
+class RouteCache:
+    """The trainer's own MoE routes per (version, sequence key), FIFO-bounded (for R2)."""
+
+    def __init__(self, max_sequences: int) -> None:
+        self.max_sequences = int(max_sequences)
+        self._d: OrderedDict[tuple[int, str], torch.Tensor] = OrderedDict()
+
+    def get(self, version: int, key: str) -> torch.Tensor | None:
+        return self._d.get((version, key))
+
+    def put(self, version: int, key: str, routes: torch.Tensor) -> None:
+        self._d.pop((version, key), None)
+        self._d[(version, key)] = routes
+        while len(self._d) > self.max_sequences:
+            self._d.popitem(last=False)
+
+    def items(self) -> list[tuple[tuple[int, str], torch.Tensor]]:
+        return list(self._d.items())
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def clear(self) -> None:
+        self._d.clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG state (exact resume)
+# ------------------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": int(py_version), "state": list(py_state), "gauss_next": py_gauss},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics
+# ------------------------------------------------------------------------------------------------
+
+
+def _merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Combine per-micro-batch loss metrics: ``*/max`` → max, ``*/min`` → min, else the mean
+    weighted by the micro-batch loss weights (exact for means; quantiles are approximate)."""
+    if not parts:
+        return {}
+    total_w = sum(w for _, w in parts)
+    out: dict[str, float] = {}
+    for key in parts[0][0]:
+        values = [(m[key], w) for m, w in parts if key in m]
+        if key.endswith("/max"):
+            out[key] = max(v for v, _ in values)
+        elif key.endswith("/min"):
+            out[key] = min(v for v, _ in values)
+        elif total_w > 0:
+            out[key] = sum(v * w for v, w in values) / total_w
+        else:
+            out[key] = sum(v for v, _ in values) / len(values)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine
+# ------------------------------------------------------------------------------------------------
+
+
+class EmbeddedTrainEngine:
+    """fp32 torch trainer of the embedded model (see the module docstring).
+
+    Build with :meth:`from_pretrained` (warm start from an HF directory), :meth:`from_checkpoint`
+    (exact resume) or :meth:`from_config` (explicit random initialisation).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: CharTokenizer | None = None,
+        *,
+        optim: OptimConfig | None = None,
+        weight_version: int = 0,
+        snapshot_budget_bytes: int = DEFAULT_SNAPSHOT_BUDGET_BYTES,
+        route_cache_sequences: int = DEFAULT_ROUTE_CACHE_SEQUENCES,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        """
+        Args:
+            model: the model to train (moved to fp32 on ``device``).
+            tokenizer: saved with every export / checkpoint (default :class:`CharTokenizer`).
+            optim: optimizer and schedule settings.
+            weight_version: version of ``model``'s current weights.
+            snapshot_budget_bytes: CPU memory for retained old versions (0 disables them).
+            route_cache_sequences: how many (version, sequence) route records R2 keeps.
+            device: torch device of the live weights (snapshots always stay on CPU).
+        """
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=torch.float32)
+        self.tokenizer = tokenizer or CharTokenizer()
+        if self.tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {model.config.vocab_size}")
+        self.optim = optim or OptimConfig()
+        self._version = int(weight_version)
+        self._step = 0
+        self._snapshots = SnapshotStore(snapshot_budget_bytes)
+        self._routes = RouteCache(route_cache_sequences)
+        self._shadow: CausalLM | None = None
+        self._shadow_version: int | None = None
+        self._optimizer = self._build_optimizer(self.optim)
+
+    # --- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **kwargs: Any) -> EmbeddedTrainEngine:
+        """Warm start from an HF directory (weights, tokenizer, ``weight_version``); a fresh
+        optimizer. Missing / empty / unreadable → :class:`CheckpointError`."""
+        loaded = load_hf_dir(directory, dtype=torch.float32)
+        return cls(loaded.model, loaded.tokenizer, weight_version=loaded.weight_version, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, seed: int = 0,
+                    tokenizer: CharTokenizer | None = None, **kwargs: Any) -> EmbeddedTrainEngine:
+        """Random initialisation (``CausalLM.init_weights(seed)``), asked for explicitly."""
+        return cls(CausalLM(config).init_weights(seed), tokenizer, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, **kwargs: Any) -> EmbeddedTrainEngine:
+        """Exact resume from a :meth:`save_checkpoint` directory (any failure →
+        :class:`CheckpointError`; no engine is returned with random weights). The checkpoint's
+        OptimConfig replaces ``optim`` if one is passed (resuming is exact); ``kwargs`` set the
+        snapshot budget, route cache and device."""
+        d = _check_trainer_dir(directory)
+        engine = cls(_blank_model(read_model_config(d)), **kwargs)
+        engine.load_checkpoint(d)
+        return engine
+
+    def _build_optimizer(self, cfg: OptimConfig) -> torch.optim.AdamW:
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+    # --- state --------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def snapshot_versions(self) -> list[int]:
+        return self._snapshots.versions()
+
+    def snapshot_info(self) -> dict[str, Any]:
+        """Retained versions, their bytes and the budget."""
+        return {"versions": self._snapshots.versions(), "bytes": self._snapshots.nbytes,
+                "budget_bytes": self._snapshots.budget_bytes, "current": self._version,
+                "route_cache_sequences": len(self._routes)}
+
+    def drop_snapshots(self, versions: Sequence[int] | None = None) -> None:
+        """Forget retained versions (all when None)."""
+        if versions is None:
+            self._snapshots.clear()
+        else:
+            self._snapshots.drop(versions)
+        if self._shadow_version not in self._snapshots.versions():
+            self._shadow_version = None
+
+    def close(self) -> None:
+        self._snapshots.clear()
+        self._routes.clear()
+        self._shadow = None
+        self._shadow_version = None
+
+    def _current_weights_cpu(self) -> Weights:
+        # named_parameters() lists a tied LM head once, under model.embed_tokens.weight — the same
+        # names state_dict_for_export writes, so a snapshot exports as-is.
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def _model_at(self, version: int) -> CausalLM:
+        """The live model for the current version, else a shadow loaded with the snapshot."""
+        if version > self._version:
+            raise ValueError(f"weight version {version} does not exist yet (current "
+                             f"{self._version})")
+        if version == self._version:
+            return self.model
+        weights = self._snapshots.get(version)
+        if self._shadow is None:
+            self._shadow = _blank_model(self.model.config).to(self.device)
+            self._shadow.requires_grad_(False)
+        if self._shadow_version != version:
+            with torch.no_grad():
+                for name, p in self._shadow.named_parameters():
+                    p.copy_(weights[name])
+            self._shadow_version = version
+        return self._shadow
+
+    # --- forward ------------------------------------------------------------------------------
+    def _pack_routes(self, batch: TokenBatch, routes: Sequence[torch.Tensor], width: int
+                     ) -> torch.Tensor:
+        """(b, width, L, k) replay tensor; positions without a route (the last token, padding)
+        get experts 0..k−1 — they cannot influence any log-prob (causal attention)."""
+        cfg = self.model.config
+        k = cfg.num_experts_per_tok
+        out = torch.arange(k).expand(batch.batch_size, width, cfg.num_layers, k).clone()
+        for i, r in enumerate(routes):
+            n = int(batch.total_lens[i]) - 1
+            out[i, :n] = r[:n].to(torch.long)
+        return out.to(self.device)
+
+    def _forward(
+        self, model: CausalLM, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
+        temperature: float, with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """Response log-probs (b, T), entropy (b, T) and per-sequence routes of ``batch``.
+
+        The input is trimmed to the batch's longest sequence; outputs keep the full width T.
+        """
+        width = max(int(batch.total_lens.max()), 1)
+        ids = batch.input_ids[:, :width].to(self.device)
+        attn = batch.attention_mask[:, :width].to(self.device)
+        replay_t = None if replay is None else self._pack_routes(batch, replay, width)
+        logits, routes = model(ids, attention_mask=attn, replay_routes=replay_t)
+        valid = batch.valid_response_mask.to(self.device)
+        # response token j of row b sits at P_b + j and is predicted at position P_b + j − 1
+        pos = batch.prompt_lens[:, None] - 1 + torch.arange(batch.response_len)[None, :]
+        pos = torch.where(batch.valid_response_mask, pos, torch.zeros_like(pos)).to(self.device)
+        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        z = picked.float() / temperature  # (b, T, V): the rollout engine's logits / T
+        log_probs_all = torch.log_softmax(z, dim=-1)
+        targets = batch.responses.to(self.device)
+        lp = log_probs_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        lp = torch.where(valid, lp, torch.zeros_like(lp))
+        entropy = None
+        if with_entropy:
+            # H = logsumexp(z) − Σ_v softmax(z)_v z_v  (finite even where a probability underflows)
+            ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+            entropy = torch.where(valid, ent, torch.zeros_like(ent))
+        per_seq = None
+        if routes is not None:
+            per_seq = tuple(routes[i, : int(batch.total_lens[i]) - 1].to("cpu", torch.int32)
+                            for i in range(batch.batch_size))
+        return lp, entropy, per_seq
+
+    # --- routing ------------------------------------------------------------------------------
+    def _check_rollout_routes(self, batch: TokenBatch) -> list[torch.Tensor]:
+        cfg = self.model.config
+        if batch.routes is None or any(r is None for r in batch.routes):
+            raise ValueError("routing='r3' needs batch.routes for every sequence: the rollout "
+                             "engine's routed experts (request return_routed_experts=True)")
+        out = []
+        for i, r in enumerate(batch.routes):
+            assert r is not None
+            want = (int(batch.total_lens[i]) - 1, cfg.num_layers, cfg.num_experts_per_tok)
+            if tuple(r.shape) != want:
+                raise ValueError(f"routes of sequence {i} have shape {tuple(r.shape)}, expected "
+                                 f"(P + O − 1, L, k) = {want}; pass the rollout's routed experts "
+                                 "from position 0 (routed_experts_start_len=0)")
+            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= cfg.num_experts):
+                raise ValueError(f"routes of sequence {i} name experts outside "
+                                 f"[0, {cfg.num_experts})")
+            out.append(r)
+        return out
+
+    def _replay_for(self, batch: TokenBatch, routing: str, version: int,
+                    r2_version: int | None) -> list[torch.Tensor] | None:
+        """Per-sequence routes to replay, or None for the router's own choices at ``version``."""
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing={routing!r}; use one of {', '.join(ROUTING_MODES)}")
+        if routing == "free":
+            return None
+        if not self.model.config.is_moe:
+            raise ValueError(f"routing={routing!r} replays MoE expert choices but this model is "
+                             "dense; use routing='free'")
+        if routing == "r3":
+            return self._check_rollout_routes(batch)
+        ref = version if r2_version is None else int(r2_version)
+        if ref == version:
+            return None  # the trainer's own routes at the weights in use = free routing
+        return self._own_routes(batch, ref)
+
+    def _own_routes(self, batch: TokenBatch, version: int) -> list[torch.Tensor]:
+        """R2: the routes this trainer chooses for ``batch`` under ``version`` (cache or record)."""
+        keys = [sequence_key(batch, i) for i in range(batch.batch_size)]
+        found: list[torch.Tensor | None] = [self._routes.get(version, k) for k in keys]
+        missing = [i for i, r in enumerate(found) if r is None]
+        if missing:
+            try:
+                model = self._model_at(version)
+            except SnapshotUnavailableError as e:
+                raise SnapshotUnavailableError(
+                    f"R2 needs the routes of version {version} for {len(missing)} sequence(s) "
+                    f"that were never forwarded under it, and {e}") from None
+            sub = batch.select(missing)
+            with torch.no_grad():
+                _, _, routes = self._forward(model, sub, None, 1.0, with_entropy=False)
+            assert routes is not None
+            for j, i in enumerate(missing):
+                found[i] = routes[j]
+                self._routes.put(version, keys[i], routes[j])
+        return [r for r in found if r is not None]
+
+    def _remember_routes(self, batch: TokenBatch, version: int,
+                         routes: Sequence[torch.Tensor]) -> None:
+        for i, r in enumerate(routes):
+            self._routes.put(version, sequence_key(batch, i), r)
+
+    # --- log-probs ----------------------------------------------------------------------------
+    def compute_log_probs(
+        self,
+        batch: TokenBatch,
+        *,
+        routing: str = "free",
+        version: int | torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+        r2_version: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> LogProbResult:
+        """See :meth:`training.engines.train.TrainEngine.compute_log_probs`."""
+        _check_temperature(temperature)
+        if isinstance(version, torch.Tensor):
+            return self._log_probs_per_token_version(batch, version, routing, temperature,
+                                                     with_entropy, r2_version, micro_batch_size)
+        v = self._version if version is None else int(version)
+        model = self._model_at(v)
+        replay = self._replay_for(batch, routing, v, r2_version)
+        lps, ents, routes = [], [], []
+        with torch.no_grad():
+            for s in micro_batch_slices(batch.batch_size, micro_batch_size):
+                mb = batch.select(s)
+                lp, ent, r = self._forward(model, mb, None if replay is None else replay[s],
+                                           temperature, with_entropy)
+                lps.append(lp.cpu())
+                if ent is not None:
+                    ents.append(ent.cpu())
+                if r is not None:
+                    routes.extend(r)
+        if routes and replay is None:
+            self._remember_routes(batch, v, routes)
+        t = batch.response_len
+        return LogProbResult(
+            log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
+            entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
+            routes=tuple(routes) if self.model.config.is_moe else None,
+            weight_version=v,
+        )
+
+    def _log_probs_per_token_version(
+        self, batch: TokenBatch, versions: torch.Tensor, routing: str, temperature: float,
+        with_entropy: bool, r2_version: int | None, micro_batch_size: int | None,
+    ) -> LogProbResult:
+        """Each response token under the version that generated it (seed 003: partial rollouts
+        span updates). One forward per distinct version over the rows that use it."""
+        shape = (batch.batch_size, batch.response_len)
+        if tuple(versions.shape) != shape:
+            raise ValueError(f"per-token versions must be (B, T) = {shape}, got "
+                             f"{tuple(versions.shape)}")
+        valid = batch.valid_response_mask
+        versions = torch.where(valid, versions.to(torch.long), torch.zeros(shape, dtype=torch.long))
+        lp = torch.zeros(shape)
+        ent = torch.zeros(shape) if with_entropy else None
+        for v in sorted(set(versions[valid].tolist())):
+            hit = valid & (versions == v)
+            rows = hit.any(dim=1).nonzero().reshape(-1)
+            res = self.compute_log_probs(batch.select(rows), routing=routing, version=int(v),
+                                         temperature=temperature, with_entropy=with_entropy,
+                                         r2_version=r2_version, micro_batch_size=micro_batch_size)
+            sel = hit[rows]
+            lp[rows] = torch.where(sel, res.log_probs, lp[rows])
+            if ent is not None and res.entropy is not None:
+                ent[rows] = torch.where(sel, res.entropy, ent[rows])
+        return LogProbResult(log_probs=lp, entropy=ent, routes=None, weight_version=None,
+                             token_versions=versions)
+
+    # --- training -----------------------------------------------------------------------------
+    def train_step(
+        self,
+        batch: TokenBatch,
+        advantages: torch.Tensor,
+        old_log_prob: torch.Tensor,
+        *,
+        loss_name: str = "vanilla",
+        loss_config: PolicyLossConfig | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        routing: str = "free",
+        r2_version: int | None = None,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        entropy_coeff: float = 0.0,
+        accumulation: str = "scaled",
+    ) -> dict[str, float]:
+        """One optimizer step: see :meth:`training.engines.train.TrainEngine.train_step`.
+
+        ``entropy_coeff`` > 0 subtracts ``coeff · agg(entropy)`` (same aggregation mode as the
+        loss) from the loss. Metrics: ``train/loss`` (total), ``train/pg_loss``,
+        ``train/entropy`` (token-mean over the response mask), ``train/grad_norm`` (global L2,
+        before clipping), ``train/lr``, ``train/skipped_step``, ``train/weight_version`` (after
+        the step), ``train/step``, token counts, ``train/step_time_s``, ``train/tokens_per_s``
+        (real prompt + response tokens per second) and the loss's ``policy/*`` metrics.
+        """
+        t0 = time.perf_counter()
+        _check_temperature(temperature)
+        if accumulation not in ACCUMULATION_MODES:
+            raise ValueError(f"accumulation={accumulation!r}; use one of "
+                             f"{', '.join(ACCUMULATION_MODES)}")
+        shape = (batch.batch_size, batch.response_len)
+        named = {"advantages": advantages, "old_log_prob": old_log_prob}
+        if rollout_is_weights is not None:
+            named["rollout_is_weights"] = rollout_is_weights
+        for name, tensor in named.items():
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must be (B, T) = "
+                                 f"{shape} like batch.response_mask")
+        loss_fn = POLICY_LOSSES.get(loss_name)
+        cfg = loss_config or PolicyLossConfig()
+        agg_mode = loss_agg_mode_for(loss_name, cfg)
+        version = self._version
+        replay = self._replay_for(batch, routing, version, r2_version)
+        record = replay is None and self.model.config.is_moe
+        slices = micro_batch_slices(batch.batch_size, micro_batch_size)
+        dev = self.device
+        mask = batch.response_mask.to(dev)
+        adv = advantages.detach().to(dev, torch.float32)
+        old = old_log_prob.detach().to(dev, torch.float32)
+        isw = None if rollout_is_weights is None else rollout_is_weights.detach().to(dev)
+
+        def forward(s: slice, grad: bool):
+            with torch.set_grad_enabled(grad):
+                mb = batch.select(s)
+                lp, ent, routes = self._forward(self.model, mb, None if replay is None
+                                                else replay[s], temperature, with_entropy=True)
+            if record and routes is not None:
+                self._remember_routes(mb, version, routes)
+            return lp, ent
+
+        def objective(lp, ent, rows):
+            m = mask if rows is None else mask[rows]
+            pick = (lambda x: x) if rows is None else (lambda x: x[rows])
+            pg, metrics = loss_fn(pick(old), lp, pick(adv), m, cfg,
+                                  None if isw is None else pick(isw))
+            loss = pg
+            if entropy_coeff:
+                loss = loss - entropy_coeff * agg_loss(ent, m, agg_mode, cfg.loss_scale_factor)
+            return loss, pg, metrics
+
+        self.model.train()
+        self._optimizer.zero_grad(set_to_none=True)
+        active = [s for s in slices if bool(mask[s].any())]  # rows without loss tokens: no grad
+        entropies = torch.zeros(shape, device=dev)
+        loss_value = pg_value = 0.0
+        parts: list[tuple[dict[str, float], float]] = []
+        if accumulation == "scaled":
+            weights = micro_batch_weights(batch.response_mask, slices, agg_mode)
+            for s, w in zip(slices, weights, strict=True):
+                if s not in active:
+                    continue
+                lp, ent = forward(s, grad=True)
+                loss, pg, m = objective(lp, ent, s)
+                (loss * w).backward()
+                loss_value += w * float(loss.detach())
+                pg_value += w * float(pg.detach())
+                parts.append((m, w))
+                entropies[s] = ent.detach()
+        else:
+            # exact for any loss: evaluate the loss on the full batch with micro-batch m's rows
+            # carrying the gradient and the other rows detached (same values, computed first)
+            full_lp = torch.zeros(shape, device=dev)
+            for s in active:
+                lp, ent = forward(s, grad=False)
+                full_lp[s], entropies[s] = lp, ent
+            for s in active:
+                lp, ent = forward(s, grad=True)
+                rows = torch.arange(batch.batch_size, device=dev)[s]
+                loss, pg, m = objective(full_lp.index_copy(0, rows, lp),
+                                        entropies.index_copy(0, rows, ent), None)
+                loss.backward()
+                loss_value, pg_value = float(loss.detach()), float(pg.detach())
+                parts = [(m, 1.0)]
+        metrics = _merge_metrics(parts)
+        grad_norm = self._clip_gradients()
+        lr = self.optim.lr * lr_multiplier(self.optim, self._step)
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
+        if not skipped:
+            if self._snapshots.budget_bytes > 0:
+                self._snapshots.put(version, self._current_weights_cpu())
+            for group in self._optimizer.param_groups:
+                group["lr"] = lr
+            self._optimizer.step()
+            self._step += 1
+            self._version += 1
+        self._optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        ent_mean = float(entropies[mask].mean()) if bool(mask.any()) else 0.0
+        metrics.update({
+            "train/loss": loss_value,
+            "train/pg_loss": pg_value,
+            "train/entropy": ent_mean,
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/skipped_step": float(skipped),
+            "train/weight_version": float(self._version),
+            "train/step": float(self._step),
+            "train/num_sequences": float(batch.batch_size),
+            "train/num_tokens": float(batch.num_tokens),
+            "train/num_loss_tokens": float(batch.num_loss_tokens),
+            "train/micro_batches": float(len(slices)),
+            "train/step_time_s": elapsed,
+            "train/tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
+        })
+        return metrics
+
+    def _clip_gradients(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.optim.grad_clip is None:
+            return float(torch.nn.utils.get_total_norm(grads))
+        return float(torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.grad is not None], self.optim.grad_clip))
+
+    # --- export / checkpoints -----------------------------------------------------------------
+    def export_weights(self, directory: str | Path, *, version: int | None = None,
+                       meta: dict[str, Any] | None = None) -> int:
+        """HF directory of the current weights (or of a retained ``version``); returns the
+        version written to ``asyncrl.json`` (what the rollout engine will report)."""
+        v = self._version if version is None else int(version)
+        info = {"source": "asyncrl.embedded_trainer", "trainer_step": self._step, **(meta or {})}
+        if v == self._version:
+            save_hf_dir(directory, self.model, self.tokenizer, weight_version=v, meta=info)
+        else:
+            if v > self._version:
+                raise ValueError(f"weight version {v} does not exist yet (current "
+                                 f"{self._version})")
+            save_hf_dir(directory, self.model, self.tokenizer, weight_version=v, meta=info,
+                        state_dict=self._snapshots.get(v))
+        return v
+
+    def save_checkpoint(self, directory: str | Path, *, include_snapshots: bool = True) -> Path:
+        """Write an exact-resume checkpoint atomically (see the module docstring).
+
+        ``include_snapshots=False`` skips the retained old versions (smaller; old log-probs of
+        those versions are then unavailable after resuming).
+        """
+        target = Path(directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.ckpt-{uuid.uuid4().hex[:8]}"
+        try:
+            save_hf_dir(tmp, self.model, self.tokenizer, weight_version=self._version,
+                        meta={"source": "asyncrl.embedded_trainer", "kind": "trainer_checkpoint",
+                              "trainer_step": self._step})
+            snaps = self._snapshots.items() if include_snapshots else []
+            if snaps:
+                (tmp / SNAPSHOT_DIR).mkdir()
+                for v, weights in snaps:
+                    save_file(weights, str(tmp / SNAPSHOT_DIR / f"v{v}.safetensors"))
+            if len(self._routes):
+                # names "<FIFO index>:<version>:<key>" keep the cache's eviction order
+                save_file({f"{i:09d}:{v}:{k}": r.contiguous()
+                           for i, ((v, k), r) in enumerate(self._routes.items())},
+                          str(tmp / ROUTE_CACHE_FILE))
+            state = {
+                "format": STATE_FORMAT,
+                "step": self._step,
+                "weight_version": self._version,
+                "optim_config": {**asdict(self.optim), "betas": list(self.optim.betas)},
+                "optimizer": self._optimizer.state_dict(),
+                "snapshot_versions": [v for v, _ in snaps],
+                "rng": _rng_state(),
+            }
+            torch.save(state, tmp / TRAINER_STATE_FILE)
+            if target.exists():
+                trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(target, trash)
+                os.replace(tmp, target)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore a :meth:`save_checkpoint` directory exactly (weights, optimizer, schedule
+        step, version, RNG, snapshots, R2 routes). Everything is read and validated before the
+        engine changes; any problem raises :class:`CheckpointError` naming the fix."""
+        d = _check_trainer_dir(directory)
+        state = _read_trainer_state(d)
+        cfg = read_model_config(d)
+        if cfg != self.model.config:
+            raise CheckpointError(f"checkpoint {d} holds a different architecture ({cfg}) than "
+                                  f"this engine ({self.model.config}); build the engine with "
+                                  "EmbeddedTrainEngine.from_checkpoint")
+        weights = read_state_dict(d)
+        try:
+            optim = OptimConfig(**{**state["optim_config"],
+                                   "betas": tuple(state["optim_config"]["betas"])})
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{d / TRAINER_STATE_FILE}: bad optimizer config ({e}); the "
+                                  "checkpoint is corrupt — resume from an earlier one") from None
+        snapshots = [(int(v), _read_weights(d / SNAPSHOT_DIR / f"v{int(v)}.safetensors"))
+                     for v in state["snapshot_versions"]]
+        routes = _read_routes(d / ROUTE_CACHE_FILE)
+        try:
+            tokenizer = CharTokenizer.load(d)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            raise CheckpointError(f"tokenizer of {d} is unreadable ({e}); re-save the "
+                                  "checkpoint") from None
+        try:  # a new optimizer over the same parameters: loading its state touches no weight
+            optimizer = self._build_optimizer(optim)
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{d / TRAINER_STATE_FILE}: optimizer state does not fit the "
+                                  f"model ({e}); the checkpoint is corrupt or from another "
+                                  "model") from None
+        # commit
+        load_weights_into(self.model, weights, source=d)
+        self.optim, self._optimizer, self.tokenizer = optim, optimizer, tokenizer
+        self._step, self._version = int(state["step"]), int(state["weight_version"])
+        self._snapshots.clear()
+        for v, w in snapshots:
+            self._snapshots.put(v, w)
+        self._routes.clear()
+        for (v, k), r in routes:
+            self._routes.put(v, k, r)
+        self._shadow_version = None
+        _set_rng_state(state["rng"])
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _blank_model(cfg: ModelConfig) -> CausalLM:
+    """A model whose weights are about to be overwritten, built without consuming the global
+    torch RNG (so creating it never changes what a resumed run draws)."""
+    with torch.random.fork_rng(devices=[]):
+        return CausalLM(cfg)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got "
+                         f"{temperature}; greedy rollouts have no sampling distribution — score "
+                         "them at temperature 1.0")
+
+
+def _check_trainer_dir(directory: str | Path) -> Path:
+    d = check_hf_dir(directory)
+    if not (d / TRAINER_STATE_FILE).is_file():
+        raise CheckpointError(f"{d} is a model directory but not a trainer checkpoint (no "
+                              f"{TRAINER_STATE_FILE}); to warm start from its weights use "
+                              "EmbeddedTrainEngine.from_pretrained")
+    return d
+
+
+_STATE_KEYS = ("format", "step", "weight_version", "optim_config", "optimizer",
+               "snapshot_versions", "rng")
+
+
+def _read_trainer_state(d: Path) -> dict[str, Any]:
+    path = d / TRAINER_STATE_FILE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated / garbage files
+        # (torch's own text suggests weights_only=False, which would be wrong advice here)
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}); the checkpoint is "
+                              "corrupt or truncated — resume from an earlier one") from None
+    if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS):
+        raise CheckpointError(f"{path} lacks trainer fields {list(_STATE_KEYS)}; it was not "
+                              "written by EmbeddedTrainEngine.save_checkpoint")
+    if state["format"] != STATE_FORMAT:
+        raise CheckpointError(f"{path} has format {state['format']}, this asyncrl reads "
+                              f"{STATE_FORMAT}")
+    return state
+
+
+def _read_weights(path: Path) -> Weights:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises several types for corrupt files
+        raise CheckpointError(f"snapshot {path} is missing or unreadable ({type(e).__name__}: "
+                              f"{e}); the checkpoint is incomplete — resume from an earlier "
+                              "one") from None
+
+
+def _read_routes(path: Path) -> list[tuple[tuple[int, str], torch.Tensor]]:
+    if not path.exists():
+        return []
+    out = []
+    for name, routes in sorted(_read_weights(path).items()):
+        _, v, key = name.split(":")
+        out.append(((int(v), key), routes))
+    return out
