@@ -115,5 +115,142 @@ def diagnose_metrics(
         typer.echo(f"not measured: {', '.join(result.missing)}")
 
 
+# ------------------------------------------------------------------------------------------------
+# asyncrl engine … (rollout engine; Engineer B, issue 3)
+# ------------------------------------------------------------------------------------------------
+engine_app = typer.Typer(help="Rollout engines: serve the embedded SGLang-compatible server.",
+                         no_args_is_help=True)
+app.add_typer(engine_app, name="engine")
+
+
+@engine_app.command("serve")
+def engine_serve(
+    checkpoint: Path = typer.Option(..., help="HF-format checkpoint directory to serve."),
+    port: int = typer.Option(30000, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (no authentication: keep it "
+                             "local unless the network is trusted)."),
+    dtype: str = typer.Option("bf16", help="Numerics: bf16 | fp32 | fp8 (simulated fp8 weights)."),
+    logit_noise: float = typer.Option(0.0, help="Std of Gaussian noise added to logits."),
+    seed: int = typer.Option(0, help="Engine seed (logit noise, unseeded requests)."),
+    max_batch: int = typer.Option(64, help="Most sequences decoded together."),
+    threads: int = typer.Option(1, help="torch threads of the server process."),
+) -> None:
+    """Serve a checkpoint over SGLang's HTTP API (/generate, /update_weights_from_disk, …) with
+    continuous batching on CPU."""
+    if dtype not in ("bf16", "fp32", "fp8"):
+        _fail(f"--dtype {dtype!r} is not one of bf16, fp32, fp8")
+    from training.engines.embedded.server import ServerConfig, serve
+    from training.engines.hf_io import CheckpointError
+
+    try:
+        serve(ServerConfig(checkpoint=str(checkpoint), host=host, port=port, dtype=dtype,
+                           logit_noise=logit_noise, seed=seed, max_batch=max_batch,
+                           threads=threads))
+    except (CheckpointError, ValueError) as e:
+        _fail(str(e))
+
+
+# ------------------------------------------------------------------------------------------------
+# asyncrl warmstart … (supervised warm start; Engineer A, issue 3)
+# ------------------------------------------------------------------------------------------------
+def _parse_task_arg(item: str) -> tuple[str, int | float | str]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        _fail(f"--task-arg {item!r} must look like KEY=VALUE (e.g. max_k=6, path=data.jsonl)")
+    for convert in (int, float):
+        try:
+            return key, convert(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def _check_writable(out: Path) -> None:
+    """Fail fast (before training) if ``out`` cannot be created or written."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        _fail(f"--out {out} is a file; pass a directory path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe-"):
+            pass
+    except OSError as e:
+        _fail(f"cannot write --out {out} ({e.strerror or e}); pass a writable directory path")
+
+
+@app.command("warmstart")
+def warmstart(
+    task: str = typer.Argument(..., help="Registered task name: sum_digits, jsonl."),
+    out: Path = typer.Option(..., "--out", help="Directory for the HF-format checkpoint."),
+    task_arg: list[str] = typer.Option(
+        [], "--task-arg", help="Task setting KEY=VALUE, repeatable: max_k=6 (sum_digits); "
+        "path=data.jsonl, reward=numeric (jsonl)."),
+    steps: int = typer.Option(700, help="Optimisation steps."),
+    seed: int = typer.Option(0, help="Seeds the weights, the task split and the batches."),
+    batch_size: int = typer.Option(64, help="Sequences per step."),
+    lr: float = typer.Option(3e-3, help="Peak learning rate (warm-up, then cosine decay)."),
+    eval_n: int = typer.Option(400, help="Eval-split examples for the final greedy evaluation."),
+    moe_experts: int = typer.Option(0, help="0 = dense; else upcycle to this many experts."),
+    moe_top_k: int = typer.Option(2, help="Experts per token of the upcycled MoE model."),
+    moe_finetune_steps: int = typer.Option(0, help="Supervised steps after upcycling."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Retrain even if a checkpoint with "
+                                  "this exact config is cached (with --moe-experts, the dense "
+                                  "one too)."),
+) -> None:
+    """Supervised warm start so RL starts with reward signal: train, evaluate per difficulty,
+    write an HF checkpoint. Cached by config hash under $ASYNCRL_HOME/cache/warmstart."""
+    _check_writable(out)
+    task_args = tuple(sorted(dict(_parse_task_arg(a) for a in task_arg).items()))
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from training.tasks.warmstart import WarmStartConfig, warm_start
+
+    try:
+        cfg = WarmStartConfig(task=task, task_args=task_args, steps=steps, seed=seed,
+                              batch_size=batch_size, lr=lr, eval_n=eval_n,
+                              moe_experts=moe_experts, moe_top_k=moe_top_k,
+                              moe_finetune_steps=moe_finetune_steps)
+        cfg.build_task()  # an unknown task or a bad task argument fails before any training
+    except KeyError as e:
+        _fail(str(e.args[0]) if e.args else str(e))
+    except (TypeError, ValueError, OSError) as e:
+        _fail(f"task {task!r}: {e}")
+
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        bars: dict[str, object] = {}
+
+        def on_event(event) -> None:
+            if event.phase not in bars:
+                bars[event.phase] = bar.add_task(event.phase, total=event.total or None, info="")
+            info = "" if event.phase == "eval" else f"loss {event.loss:.3f} lr {event.lr:.1e}"
+            bar.update(bars[event.phase], completed=event.step, info=info)
+
+        try:
+            result = warm_start(cfg, out, use_cache=not no_cache, progress=on_event)
+        except (FileExistsError, OSError, ValueError) as e:
+            _fail(str(e))
+    _print_warmstart(console, result)
+
+
+def _print_warmstart(console, result) -> None:
+    from rich.table import Table
+
+    meta = result.meta
+    table = Table("difficulty", "n", "accuracy", "mean tokens", "truncated",
+                  title=f"greedy accuracy on the eval split ({meta['task']['name']})")
+    for row in meta.get("eval", []):
+        table.add_row(str(row["difficulty"]), str(row["n"]), f"{row['accuracy']:.3f}",
+                      f"{row['mean_response_tokens']:.1f}", f"{row['truncated_fraction']:.2f}")
+    console.print(table)
+    seconds = meta.get("train_seconds", meta.get("moe_finetune_seconds"))
+    source = "cache hit (no training)" if result.cache_hit else f"trained in {seconds}s"
+    console.print(f"checkpoint {result.path} · {source} · config {result.config_hash} · "
+                  f"{meta.get('parameters')} parameters")
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,151 @@
+"""The rollout client + router against real embedded servers: load balancing, a server killed
+mid-run (no request lost), ejection, re-admission with a weight resync, routed experts carried."""
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from training.engines.client import NoHealthyEngineError, RolloutClient, SyncRolloutClient
+from training.engines.embedded.launch import EmbeddedServer, free_port, start_all
+from training.engines.hf_io import save_hf_dir
+from training.engines.model import CausalLM, ModelConfig
+from training.engines.rollout import EngineRequestError, GenerateRequest, SamplingParams
+from training.tasks.tokenizer import CharTokenizer
+
+PROMPT = [1, *CharTokenizer().encode("2+2=")]
+
+
+def _checkpoint(path, seed=0, version=0):
+    cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=2, intermediate_size=48,
+                      max_position_embeddings=256, num_experts=4, num_experts_per_tok=2)
+    return save_hf_dir(path, CausalLM(cfg).init_weights(seed, std=0.15), CharTokenizer(),
+                       weight_version=version)
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    a, b = (EmbeddedServer(_checkpoint(tmp_path / "ckpt"), dtype="fp32", max_batch=32,
+                           log_path=tmp_path / f"{name}.log") for name in "ab")
+    start_all([a, b])
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def _wait(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def _until(predicate, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not (await predicate() if asyncio.iscoroutinefunction(predicate) else predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(what() if callable(what) else what)
+        await asyncio.sleep(0.01)
+
+
+def test_router_survives_a_killed_engine_and_readmits_it_with_current_weights(fleet, tmp_path):
+    a, b = fleet
+    update = _checkpoint(tmp_path / "v3", seed=1)
+    reqs = [GenerateRequest(PROMPT, SamplingParams(max_new_tokens=48, ignore_eos=True, seed=i),
+                            return_routed_experts=True) for i in range(40)]
+
+    async def run():
+        async with RolloutClient([a.url, b.url], health_interval_s=0.2) as client:
+            results = await client.update_weights_from_disk(str(update), 3)
+            assert [r.success for r in results] == [True, True]
+            task = asyncio.create_task(client.generate(reqs))
+            # kill A while it is decoding requests
+            async with httpx.AsyncClient() as http:
+                async def a_busy():
+                    load = (await http.get(a.url + "/get_load")).json()[0]["num_tokens"]
+                    return load >= 100 and client.engines[a.url].in_flight > 0
+
+                await _until(a_busy, "A never got busy")
+            a.kill()
+            answers = await asyncio.wait_for(task, 60)
+            after_kill = client.stats()
+            a.start()
+            await _until(lambda: client.stats().readmissions > 0,
+                         lambda: f"A not re-admitted: {client.stats()}\n{a.log_tail()}")
+            again = await asyncio.wait_for(client.generate(reqs[:8]), 60)
+            return answers, after_kill, client.stats(), again
+
+    answers, after_kill, final, again = asyncio.run(run())
+    # no request lost: every one completed in full, routed experts carried through the router
+    assert len(answers) == 40
+    for [r] in answers:
+        assert r.finish_reason == "length" and r.completion_tokens == 48
+        assert r.weight_version == 3 and r.engine_url in (a.url, b.url)
+        assert r.routed_experts.shape == (len(PROMPT) + 48 - 1, 2, 2)
+        assert r.routed_experts.dtype == np.int32
+    assert after_kill.retries >= 1 and after_kill.failed_attempts >= 1 and after_kill.lost == 0
+    assert after_kill.ejections == 1 and not after_kill.engines[a.url]["admitted"]
+    assert after_kill.engines[a.url]["requests"] > 0 and after_kill.engines[b.url]["requests"] > 0
+    assert after_kill.completed == 40
+    # re-admitted after restart, with the router's weights (the checkpoint alone says v0)
+    assert final.readmissions == 1 and final.resyncs == 1 and final.engines[a.url]["admitted"]
+    assert httpx.get(a.url + "/model_info").json()["weight_version"] == 3
+    assert {r.engine_url for [r] in again} == {a.url, b.url}
+    assert all(r.weight_version == 3 for [r] in again)
+
+
+def test_sync_client_balances_by_outstanding_tokens_and_fans_out(fleet):
+    a, b = fleet
+    with SyncRolloutClient([a.url, b.url], health_interval_s=0.2) as client:
+        reqs = [GenerateRequest(PROMPT, SamplingParams(max_new_tokens=16, n=2, seed=i))
+                for i in range(10)]
+        results = client.generate(reqs)
+        assert [len(r) for r in results] == [2] * 10
+        stats = client.stats()
+        assert stats.requests == stats.completed == 10 and stats.retries == 0
+        sent = [stats.engines[u]["requests"] for u in (a.url, b.url)]
+        assert sent[0] >= 3 and sent[1] >= 3, f"unbalanced: {sent}"
+        assert all(e["in_flight"] == 0 and e["outstanding_tokens"] == 0
+                   for e in stats.engines.values())
+        assert client.health() and client.health_all() == {a.url: True, b.url: True}
+        assert client.model_info().moe_layout == (2, 2)
+        client.pause_generation("in_place")
+        assert all(httpx.get(u + "/server_info").json()["internal_states"][0]["paused"]
+                   == "in_place" for u in (a.url, b.url))
+        client.continue_generation()
+        client.abort()
+        client.flush_cache()
+        with pytest.raises(EngineRequestError, match="HTTP 400"):
+            client.generate([GenerateRequest([1, 999])])  # out-of-vocab id: not retried
+        assert client.stats().retries == 0
+
+
+def test_health_checks_eject_and_readmit_without_traffic(tmp_path):
+    srv = EmbeddedServer(_checkpoint(tmp_path / "ckpt"), dtype="fp32",
+                         log_path=tmp_path / "s.log")
+    start_all([srv])
+    try:
+        with SyncRolloutClient([srv.url], health_interval_s=0.1) as client:
+            srv.kill()
+            _wait(lambda: client.stats().ejections == 1)
+            srv.start()
+            _wait(lambda: client.stats().readmissions == 1)
+            assert client.generate([GenerateRequest(PROMPT)])[0][0].completion_tokens >= 1
+            assert client.stats().resyncs == 0  # nothing pushed: nothing to resync
+    finally:
+        srv.stop()
+
+
+def test_no_engine_answers_raises_after_the_wait():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with SyncRolloutClient([dead], wait_for_engine_s=0.5, health_interval_s=0.1) as client:
+        with pytest.raises(NoHealthyEngineError, match="no healthy rollout engine"):
+            client.generate([GenerateRequest(PROMPT)])
+        s = client.stats()
+        assert s.requests == s.lost == 1 and s.ejections == 1
+        assert not client.health()

@@ -1,0 +1,142 @@
+"""Start and stop embedded rollout servers as subprocesses (tests, benchmarks, local runs).
+
+``EmbeddedServer(checkpoint).start()`` launches ``python -m training.engines.embedded.server`` on a
+free 127.0.0.1 port; ``wait_ready()`` polls ``/health``; ``stop()`` sends SIGTERM then SIGKILL;
+``kill()`` is the hard crash (SIGKILL) used by failover tests. Output goes to a log file whose
+tail is quoted when the server fails to come up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedServer:
+    """One embedded rollout server process.
+
+    Args:
+        checkpoint: HF-format checkpoint directory.
+        port: port to bind; a free one when None.
+        dtype / logit_noise / seed / max_batch / threads: server options (see ``ServerConfig``).
+        entry: the command that serves, before the options (default: this package's server
+            module; ``[sys.executable, "-m", "ui.cli", "engine", "serve"]`` runs the CLI).
+        log_path: where stdout/stderr go (a temp file by default).
+        env: extra environment variables.
+    """
+
+    def __init__(self, checkpoint: str | Path, port: int | None = None, *, dtype: str = "bf16",
+                 logit_noise: float = 0.0, seed: int = 0, max_batch: int = 64, threads: int = 1,
+                 entry: Sequence[str] | None = None, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.checkpoint = str(checkpoint)
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.options = ["--dtype", dtype, "--logit-noise", str(logit_noise), "--seed", str(seed),
+                        "--max-batch", str(max_batch), "--threads", str(threads)]
+        self.entry = list(entry or [sys.executable, "-m", "training.engines.embedded.server"])
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(
+            prefix="asyncrl-engine-", suffix=".log")[1])
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        return [*self.entry, "--checkpoint", self.checkpoint, "--host", self.host,
+                "--port", str(self.port), *self.options]
+
+    def start(self) -> EmbeddedServer:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"server on {self.url} is already running (pid {self.proc.pid})")
+        log = open(self.log_path, "ab")  # noqa: SIM115 — the child owns it for its lifetime
+        try:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(self.env or {})})
+        finally:
+            log.close()
+        return self
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 60.0) -> EmbeddedServer:
+        """Block until ``/health`` answers 200; raise with the log tail if the process dies or
+        the timeout passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise RuntimeError(f"engine server exited (code {code}) before becoming "
+                                   f"healthy:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"engine server {self.url} not healthy after {timeout:.0f} s:\n"
+                           f"{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, as far as clients can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_all(servers: Iterable[EmbeddedServer], timeout: float = 90.0) -> list[EmbeddedServer]:
+    """Start several servers at once (they load in parallel) and wait for all; on failure stop
+    every one of them before raising."""
+    servers = list(servers)
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
