@@ -252,5 +252,60 @@ def _print_warmstart(console, result) -> None:
                   f"{meta.get('parameters')} parameters")
 
 
+# ---------------------------------------------------------------- check-mismatch
+
+
+@app.command("check-mismatch")
+def check_mismatch(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="HF-format checkpoint directory."),
+    engine: str | None = typer.Option(
+        None, "--engine", help="URL of a rollout engine already serving this checkpoint; by "
+        "default an embedded server is started (and stopped) for the check."),
+    prompts: int = typer.Option(64, help="Eval prompts of the checkpoint's task."),
+    samples: int = typer.Option(1, help="Responses sampled per prompt."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature (both engines use it)."),
+    max_new_tokens: int | None = typer.Option(None, help="Default: the task's response bound."),
+    dtype: str = typer.Option("bf16", help="Embedded server precision: bf16, fp32 or fp8."),
+    logit_noise: float = typer.Option(0.0, help="Embedded server logit noise σ (simulated)."),
+    task: str | None = typer.Option(None, help="Task to draw prompts from (default: the "
+                                    "checkpoint's own, else sum_digits)."),
+    seed: int = typer.Option(0, help="Prompt and sampling seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Same weights, same prompts: rollout engine vs train engine log-probs (seed 001's
+    zero-staleness check). Prints the mismatch metrics and the decision-tree verdict."""
+    from training.engines.hf_io import CheckpointError
+    from training.engines.mismatch import TABLE_ROWS, run_mismatch_check
+    from training.engines.rollout import RolloutEngineError
+
+    if dtype not in ("bf16", "fp32", "fp8"):
+        _fail(f"--dtype must be bf16, fp32 or fp8, got {dtype!r}")
+    try:
+        report = run_mismatch_check(
+            checkpoint, engine, prompts=prompts, samples_per_prompt=samples,
+            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, dtype=dtype,
+            logit_noise=logit_noise, task=task)
+    except (CheckpointError, RolloutEngineError, ValueError, KeyError) as e:
+        _fail(str(e).strip("'\""))
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("metric", "value", title=f"engine mismatch — {report.engine} vs fp32 trainer, "
+                  f"{report.sequences} sequences, {report.tokens} tokens")
+    for key, label in TABLE_ROWS:
+        if key in report.metrics:
+            table.add_row(label, f"{report.metrics[key]:.4g}")
+    console = Console()
+    console.print(table)
+    console.print(f"verdict: {report.verdict}")
+    for f in report.diagnosis.findings:
+        for ev in f.evidence:
+            console.print(f"  evidence: {ev}")
+        console.print(f"  fix: {f.fix}")
+
+
 if __name__ == "__main__":
     app()
