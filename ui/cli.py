@@ -193,7 +193,9 @@ def warmstart(
     eval_n: int = typer.Option(400, help="Eval-split examples for the final greedy evaluation."),
     moe_experts: int = typer.Option(0, help="0 = dense; else upcycle to this many experts."),
     moe_top_k: int = typer.Option(2, help="Experts per token of the upcycled MoE model."),
-    moe_finetune_steps: int = typer.Option(0, help="Supervised steps after upcycling."),
+    moe_finetune_steps: int = typer.Option(
+        100, help="Supervised steps after upcycling, so the copied experts drift apart (routing "
+        "then matters)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Retrain even if a checkpoint with "
                                   "this exact config is cached (with --moe-experts, the dense "
                                   "one too)."),

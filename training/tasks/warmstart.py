@@ -16,7 +16,7 @@ copy of that layer's dense MLP (Mixtral names: w1 = gate_proj, w3 = up_proj, w2 
 router is N(0, router_std²) noise. Because the top-k mixing weights are renormalised to sum to 1,
 identical experts make the MoE block output exactly the dense MLP output whatever the routing — the
 upcycled model starts with the dense model's accuracy. Identical experts also make the router's
-gradient zero, so an optional short MoE fine-tune (``moe_finetune_steps``) lets the experts drift
+gradient zero, so a short MoE fine-tune (``moe_finetune_steps``, default 100) lets the experts drift
 apart (tokens routed differently give them different gradients) before the router can learn;
 ``expert_divergence`` measures how far they moved.
 """
@@ -31,7 +31,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,7 +97,7 @@ class WarmStartConfig:
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_router_std: float = 0.02
-    moe_finetune_steps: int = 0
+    moe_finetune_steps: int = 100
     moe_finetune_lr: float = 1e-3
 
     def __post_init__(self) -> None:
@@ -121,8 +121,8 @@ class WarmStartConfig:
 
     def dense(self) -> WarmStartConfig:
         """The dense part of this config (what an MoE warm start upcycles from)."""
-        return replace(self, moe_experts=0, moe_top_k=2, moe_router_std=0.02,
-                       moe_finetune_steps=0, moe_finetune_lr=1e-3)
+        moe_defaults = {f.name: f.default for f in fields(self) if f.name.startswith("moe_")}
+        return replace(self, **moe_defaults)
 
     def build_task(self) -> Task:
         return get_task(self.task, seed=self.seed, **dict(self.task_args))
