@@ -143,10 +143,18 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         return {"weight_version": 0}
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON ({e.msg}); re-export the "
                               "checkpoint") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} must hold a JSON object; re-export the checkpoint")
+    version = meta.get("weight_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise CheckpointError(f"{path}: weight_version must be an integer >= 0, got "
+                              f"{version!r}; fix the file or re-export the checkpoint")
+    meta["weight_version"] = version
+    return meta
 
 
 def load_weights_into(model: CausalLM, state_dict: dict[str, torch.Tensor],
@@ -178,8 +186,8 @@ def load_hf_dir(directory: str | Path, dtype: torch.dtype = torch.float32) -> Lo
     model = model.to(dtype)
     try:
         tokenizer = CharTokenizer.load(directory)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(str(e)) from None
     meta = read_meta(directory)
     return LoadedCheckpoint(model=model, config=cfg, tokenizer=tokenizer,
-                            weight_version=int(meta.get("weight_version", 0)), meta=meta)
+                            weight_version=meta["weight_version"], meta=meta)

@@ -88,6 +88,25 @@ def task_from_meta(meta: dict[str, Any], override: str | None = None):
     return cls(**{k: v for k, v in desc.items() if k in accepted})
 
 
+def _same_weights(a: Path, b: str | Path) -> bool:
+    """Whether two local checkpoint directories hold byte-identical weights (False if unreadable
+    here, e.g. a path on the engine's machine)."""
+    import hashlib
+
+    def digest(d: Path) -> str | None:
+        f = Path(d) / "model.safetensors"
+        if not f.is_file():
+            return None
+        h = hashlib.sha256()
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    da = digest(a)
+    return da is not None and da == digest(Path(b))
+
+
 def routing_flip_rate(rollout_routes: list[np.ndarray | None],
                       train_routes: list[torch.Tensor | None]) -> float | None:
     """Fraction of (position, layer) whose top-k expert *set* differs between the two engines."""
@@ -151,12 +170,19 @@ def run_mismatch_check(
     try:
         with SyncRolloutClient([engine_url]) as client:
             info = client.model_info()
-            served = getattr(info, "weight_version", None)
-            if served is not None and int(served) != loaded.weight_version:
+            if int(info.weight_version) != loaded.weight_version:
                 raise RolloutEngineError(
-                    f"engine {engine_url} serves weight version {served} but {checkpoint} is "
-                    f"version {loaded.weight_version}; load the same checkpoint on the engine "
-                    "(POST /update_weights_from_disk) so the check compares the same weights")
+                    f"engine {engine_url} serves weight version {info.weight_version} but "
+                    f"{checkpoint} is version {loaded.weight_version}; load the same checkpoint "
+                    "on the engine (POST /update_weights_from_disk) so the check compares the "
+                    "same weights")
+            served_path = Path(info.model_path).resolve() if info.model_path else None
+            if served_path is not None and served_path != Path(checkpoint).resolve() \
+                    and not _same_weights(served_path, checkpoint):
+                raise RolloutEngineError(
+                    f"engine {engine_url} serves {info.model_path}, not {checkpoint}; start it on "
+                    "this checkpoint (or POST /update_weights_from_disk) so the check compares "
+                    "the same weights")
             results = [r for group in client.generate(requests) for r in group]
     finally:
         if server is not None:

@@ -66,4 +66,8 @@ class CharTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing; a checkpoint directory must hold "
                                     "tokenizer.json (re-export it with asyncrl)")
-        return cls(Tokenizer.from_file(str(path)))
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad files
+            raise ValueError(f"{path} is unreadable ({e}); re-export the checkpoint's "
+                             "tokenizer") from None

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
@@ -474,6 +474,13 @@ def test_all_equal_groups_give_zero_advantages(batch, dtype, data) -> None:
 def test_float32_matches_float64(batch) -> None:
     rewards, lengths, index, values, baselines = batch
     mask = _mask(lengths, len(rewards[0]))
+    # Near-ties (0.1 vs 1 + 0.1 − 1) round apart in float32 only; GRPO then divides that rounding
+    # by std + ε and legitimately disagrees. Compare on groups that are exact ties or clearly apart.
+    scores = (torch.tensor(rewards, dtype=torch.float64) * mask).sum(-1)
+    for g in set(index):
+        s = scores[[i for i, j in enumerate(index) if j == g]]
+        spread = (s.max() - s.min()).item()
+        assume(spread == 0.0 or spread > 1e-3)
     for name in ALL_NAMES:
         outs = [compute_advantage(name, torch.tensor(rewards, dtype=dt), mask, index,
                                   values=torch.tensor(values, dtype=dt),

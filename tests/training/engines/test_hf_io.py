@@ -68,3 +68,14 @@ def test_overwrite_replaces_atomically(tmp_path):
     assert read_meta(tmp_path / "ck")["weight_version"] == 2
     assert json.loads((tmp_path / "ck" / "config.json").read_text())["model_type"] == "llama"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_corrupt_tokenizer_and_meta_are_checkpoint_errors(tmp_path):
+    save_hf_dir(tmp_path / "ck", _model(), TOK)
+    (tmp_path / "ck" / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json is unreadable"):
+        load_hf_dir(tmp_path / "ck")
+    save_hf_dir(tmp_path / "ck2", _model(), TOK)
+    (tmp_path / "ck2" / "asyncrl.json").write_text('{"weight_version": "abc"}')
+    with pytest.raises(CheckpointError, match="weight_version must be an integer"):
+        load_hf_dir(tmp_path / "ck2")

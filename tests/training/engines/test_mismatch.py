@@ -74,3 +74,22 @@ def test_engine_serving_other_weights_is_refused(moe_ckpt, tmp_path):
         server.wait_ready()
         with pytest.raises(RolloutEngineError, match="serves weight version 5"):
             run_mismatch_check(moe_ckpt, server.url, prompts=2)
+
+
+def test_engine_serving_other_weights_of_the_same_version_is_refused(moe_ckpt, tmp_path):
+    from training.engines.embedded.launch import EmbeddedServer
+    from training.engines.rollout import RolloutEngineError
+
+    cfg = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+                      num_kv_heads=4, intermediate_size=48, num_experts=4)
+    other = tmp_path / "other"
+    save_hf_dir(other, CausalLM(cfg).init_weights(1, 0.1), TOK)      # version 0 too
+    copy = tmp_path / "copy"
+    save_hf_dir(copy, CausalLM(cfg).init_weights(0, 0.1), TOK)       # same weights, other path
+    with EmbeddedServer(other, dtype="fp32") as server:
+        with pytest.raises(RolloutEngineError, match=r"not .*start it on this checkpoint"):
+            run_mismatch_check(moe_ckpt, server.url, prompts=2)
+        assert server.log_path.parent == tmp_path / "home" / "logs"  # logs in the state dir
+    with EmbeddedServer(copy, dtype="fp32") as server:
+        report = run_mismatch_check(moe_ckpt, server.url, prompts=2)
+        assert report.metrics["mismatch/logprob_abs_diff/max"] < 1e-4

@@ -13,12 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import httpx
+
+from training.paths import state_dir
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,7 +38,7 @@ class EmbeddedServer:
         dtype / logit_noise / seed / max_batch / threads: server options (see ``ServerConfig``).
         entry: the command that serves, before the options (default: this package's server
             module; ``[sys.executable, "-m", "ui.cli", "engine", "serve"]`` runs the CLI).
-        log_path: where stdout/stderr go (a temp file by default).
+        log_path: where stdout/stderr go (default: $ASYNCRL_HOME/logs/engine-PORT-TIME.log).
         env: extra environment variables.
     """
 
@@ -51,8 +52,11 @@ class EmbeddedServer:
         self.options = ["--dtype", dtype, "--logit-noise", str(logit_noise), "--seed", str(seed),
                         "--max-batch", str(max_batch), "--threads", str(threads)]
         self.entry = list(entry or [sys.executable, "-m", "training.engines.embedded.server"])
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(
-            prefix="asyncrl-engine-", suffix=".log")[1])
+        if log_path is None:  # logs live in the state directory (DESIGN.md), one per server
+            logs = state_dir() / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            log_path = logs / f"engine-{self.port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        self.log_path = Path(log_path)
         self.env = env
         self.proc: subprocess.Popen | None = None
 
