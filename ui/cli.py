@@ -139,14 +139,14 @@ def engine_serve(
     continuous batching on CPU."""
     if dtype not in ("bf16", "fp32", "fp8"):
         _fail(f"--dtype {dtype!r} is not one of bf16, fp32, fp8")
-    from training.engines.embedded.server import ServerConfig, serve
+    from training.engines.embedded.server import ServerConfig, ServerStartError, serve
     from training.engines.hf_io import CheckpointError
 
-    try:
+    try:  # "serving … on …" is printed once listening; bind failures are one-line errors
         serve(ServerConfig(checkpoint=str(checkpoint), host=host, port=port, dtype=dtype,
                            logit_noise=logit_noise, seed=seed, max_batch=max_batch,
                            threads=threads))
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ServerStartError, ValueError) as e:
         _fail(str(e))
 
 

@@ -11,16 +11,19 @@ of engine URLs:
 - **Retry on another engine**: a request whose engine fails (connection refused or dropped,
   timeout, HTTP 5xx) is sent again to another admitted engine (up to ``max_attempts`` sends).
   A transport failure ejects that engine at once; repeated 5xx answers eject it after
-  ``failures_to_eject`` in a row. An HTTP 4xx is the request's fault and raises
-  :class:`EngineRequestError` without a retry. A retried request starts over: the partial output
-  of a dead engine is lost with it.
+  ``failures_to_eject`` in a row. An HTTP 4xx is the request's fault: it raises
+  :class:`EngineRequestError` at once, with no retry, and counts against neither the engine's
+  health nor its ejection (it is counted as ``rejected``). A retried request starts over: the
+  partial output of a dead engine is lost with it.
 - **Re-admission**: an ejected engine whose ``/health`` is 200 again is re-admitted — after the
   router re-sends the last weights it pushed (``update_weights_from_disk``) if the engine reports
   another version, and re-applies a pause in force, so a restarted engine never serves stale
   weights.
-- **Counters** (:meth:`RolloutClient.stats`): requests, completed, retries, failed attempts,
-  lost requests, ejections, readmissions, weight resyncs; per engine: admitted, in-flight
-  requests, outstanding tokens, requests sent, failures, ejections, readmissions.
+- **Counters** (:meth:`RolloutClient.stats`): requests, completed, rejected (4xx), lost,
+  cancelled, retries, failed attempts, ejections, readmissions, weight resyncs — every request
+  ends as exactly one of completed / rejected / lost / cancelled; per engine: admitted, in-flight
+  requests, outstanding tokens, requests sent, completed, rejected, failures, ejections,
+  readmissions.
 
 Unlike SGLang's own router (which rewrites request bodies and drops ``return_routed_experts``),
 this one forwards the ``/generate`` body untouched, so R3 routing replay works through it.
@@ -74,6 +77,7 @@ class EngineState:
     outstanding_tokens: int = 0
     requests: int = 0
     completed: int = 0
+    rejected: int = 0
     failures: int = 0
     consecutive_failures: int = 0
     health_failures: int = 0
@@ -86,20 +90,27 @@ class EngineState:
 class RouterStats:
     """A snapshot of the router's counters.
 
-    requests: generate requests accepted by the client (one per GenerateRequest).
+    requests: generate requests accepted by the client (one per GenerateRequest / raw body).
     completed: requests answered.
+    rejected: requests an engine refused as malformed (HTTP 4xx; raised as EngineRequestError,
+        never retried).
+    lost: requests that failed on every attempt or found no healthy engine (raised).
+    cancelled: requests whose caller cancelled them before an answer.
+    Once no request is in progress: requests = completed + rejected + lost + cancelled.
     retries: sends beyond a request's first.
-    failed_attempts: sends that failed on an engine (transport error or HTTP 5xx).
-    lost: requests that failed on every attempt (raised to the caller).
+    failed_attempts: sends that failed on an engine (transport error, HTTP 5xx, unreadable
+        answer).
     ejections / readmissions: engine state changes; resyncs: weights re-sent on readmission.
     engines: per-engine :class:`EngineState` as dicts.
     """
 
     requests: int
     completed: int
+    rejected: int
+    lost: int
+    cancelled: int
     retries: int
     failed_attempts: int
-    lost: int
     ejections: int
     readmissions: int
     resyncs: int
@@ -152,8 +163,9 @@ class RolloutClient:
         self._rr = itertools.count()
         self._weights: tuple[str, int] | None = None  # last pushed (path, version)
         self._paused: str | None = None
-        self._counters = dict(requests=0, completed=0, retries=0, failed_attempts=0, lost=0,
-                              ejections=0, readmissions=0, resyncs=0)
+        self._counters = dict(requests=0, completed=0, rejected=0, lost=0, cancelled=0,
+                              retries=0, failed_attempts=0, ejections=0, readmissions=0,
+                              resyncs=0)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> RolloutClient:
@@ -195,10 +207,35 @@ class RolloutClient:
 
     async def generate_raw(self, payload: dict[str, Any],
                            estimated_tokens: int | None = None) -> tuple[Any, str]:
-        """Route one raw SGLang ``/generate`` body (forwarded untouched) → (JSON answer, URL)."""
+        """Route one raw SGLang ``/generate`` body (forwarded untouched) → (JSON answer, URL).
+
+        The body is not validated here (the engine does that): an engine's HTTP 4xx raises
+        :class:`EngineRequestError` at once, without a retry or an ejection. Raises TypeError
+        when ``payload`` is not a JSON-serialisable dict (nothing is sent or counted).
+        """
+        if not isinstance(payload, dict):
+            raise TypeError(f"payload must be a dict (the /generate JSON body), got "
+                            f"{type(payload).__name__}")
+        try:
+            content = json.dumps(payload, allow_nan=False).encode()
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"payload is not JSON-serialisable: {e}") from None
         await self.start()
         est = estimated_tokens if estimated_tokens is not None else _estimate_tokens(payload)
         self._counters["requests"] += 1
+        try:
+            return await self._send_generate(content, est)
+        except asyncio.CancelledError:
+            self._counters["cancelled"] += 1
+            raise
+        except RolloutEngineError:  # counted (rejected / lost) where raised
+            raise
+        except Exception:
+            self._counters["lost"] += 1
+            raise
+
+    async def _send_generate(self, content: bytes, est: int) -> tuple[Any, str]:
+        """Send one encoded body until an engine answers (see :meth:`generate_raw`)."""
         tried: set[str] = set()
         last_error = "no attempt"
         for attempt in range(self.max_attempts):
@@ -214,26 +251,31 @@ class RolloutClient:
             engine.outstanding_tokens += est
             engine.requests += 1
             try:
-                resp = await self._http.post(engine.url + "/generate", json=payload)
-            except httpx.TransportError as e:
+                resp = await self._http.post(engine.url + "/generate", content=content,
+                                             headers={"content-type": "application/json"})
+            except httpx.RequestError as e:  # connection refused / dropped, timeout
                 last_error = f"{type(e).__name__}: {e}"
                 self._attempt_failed(engine, last_error, eject=True)
                 continue
             finally:
                 engine.in_flight -= 1
                 engine.outstanding_tokens -= est
-            if resp.status_code >= 500:
+            if 400 <= resp.status_code < 500:  # the request's fault: the engine is fine
+                engine.consecutive_failures = 0
+                engine.rejected += 1
+                self._counters["rejected"] += 1
+                raise EngineRequestError(f"{engine.url} rejected the request (HTTP "
+                                         f"{resp.status_code}): {_error_message(resp)}")
+            answer = _json_or_none(resp) if 200 <= resp.status_code < 300 else None
+            if answer is None:
                 last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 eject = engine.consecutive_failures + 1 >= self.failures_to_eject
                 self._attempt_failed(engine, last_error, eject=eject)
                 continue
-            if resp.status_code >= 400:
-                raise EngineRequestError(f"{engine.url} rejected the request (HTTP "
-                                         f"{resp.status_code}): {_error_message(resp)}")
             engine.consecutive_failures = 0
             engine.completed += 1
             self._counters["completed"] += 1
-            return resp.json(), engine.url
+            return answer, engine.url
         self._counters["lost"] += 1
         raise RolloutEngineError(f"request failed on {self.max_attempts} attempts (engines "
                                  f"tried: {sorted(tried)}); last error: {last_error}")
@@ -512,17 +554,36 @@ async def _call(fn: Any) -> Any:
     return fn()
 
 
-def _estimate_tokens(payload: dict[str, Any]) -> int:
-    """prompt + max_new_tokens · n for a raw body (text prompts count their characters)."""
-    prompts = payload.get("input_ids") or payload.get("text") or []
-    if prompts and isinstance(prompts[0], list | str) and not isinstance(prompts, str):
+_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params omit it
+
+
+def _estimate_tokens(payload: Any) -> int:
+    """prompt + max_new_tokens · n for a raw body (text prompts count their characters).
+
+    Load balancing only: never raises. A malformed body (the engine will answer 400) counts what
+    can be read, with SGLang's defaults for the rest."""
+    prompts = payload.get("input_ids") if isinstance(payload, dict) else None
+    if prompts is None and isinstance(payload, dict):
+        prompts = payload.get("text")
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], list | str):
         items = prompts
     else:
         items = [prompts]
-    params = payload.get("sampling_params") or {}
+    params = payload.get("sampling_params") if isinstance(payload, dict) else None
     params = params if isinstance(params, list) else [params] * len(items)
-    return sum(len(p) + int(sp.get("max_new_tokens") or 128) * int(sp.get("n") or 1)
-               for p, sp in zip(items, params, strict=False))
+    total = 0
+    for prompt, sp in zip(items, params, strict=False):
+        sp = sp if isinstance(sp, dict) else {}
+        total += (len(prompt) if isinstance(prompt, list | str) else 0) + (
+            _positive_int(sp.get("max_new_tokens"), _DEFAULT_MAX_NEW_TOKENS)
+            * _positive_int(sp.get("n"), 1))
+    return total
+
+
+def _positive_int(value: Any, default: int) -> int:
+    if isinstance(value, int | float) and not isinstance(value, bool) and 1 <= value < 2**31:
+        return int(value)
+    return default
 
 
 def _json_or_none(resp: httpx.Response) -> Any:

@@ -17,7 +17,8 @@ Conventions (shared with the train engine):
   (temperature 0) report log_softmax(logits) at temperature 1, untruncated.
 - Routed experts (MoE): an int32 array (P + O − 1 − start, num_layers, top_k): the experts chosen
   at every position whose next token the model computed, on the wire as ONE base64 string of the
-  row-major bytes (``meta_info.routed_experts``), exactly as SGLang sends it.
+  row-major bytes (``meta_info.routed_experts``), exactly as SGLang sends it. A request aborted
+  before its prompt was ever prefilled computed no position: (0, num_layers, top_k).
 - Weight versions are ints; every output token carries the version of the weights that produced
   it (``output_token_weight_versions``), so a request spanning a weight update is visible.
 """
@@ -25,6 +26,7 @@ Conventions (shared with the train engine):
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -122,45 +124,57 @@ class SamplingParams:
 
     @classmethod
     def from_sglang(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Parse a ``sampling_params`` object; unknown or unsupported fields raise ValueError."""
-        d = dict(d or {})
+        """Parse a ``sampling_params`` object. Anything malformed (not an object, a field of the
+        wrong type, an unknown or unsupported field) raises ValueError naming the field."""
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a JSON object such as "
+                             f'{{"max_new_tokens": 16}}, got {brief_repr(d)}')
+        d = dict(d)
         kwargs: dict[str, Any] = {}
         for name in ("max_new_tokens", "top_k", "n"):
             if d.get(name) is not None:
-                kwargs[name] = _as_int(d.pop(name), name)
+                kwargs[name] = _as_int(d.pop(name), f"sampling_params.{name}")
             d.pop(name, None)
         for name in ("temperature", "top_p"):
             if d.get(name) is not None:
-                kwargs[name] = _as_float(d.pop(name), name)
+                kwargs[name] = _as_float(d.pop(name), f"sampling_params.{name}")
             d.pop(name, None)
         if kwargs.get("top_k") == 0:  # vLLM spells "off" as 0
             kwargs["top_k"] = -1
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-            if name in d:
-                kwargs[name] = bool(d.pop(name))
+            if d.get(name) is not None:
+                kwargs[name] = _as_bool(d.pop(name), f"sampling_params.{name}")
+            d.pop(name, None)
         seed = d.pop("sampling_seed", None)
         alias = d.pop("seed", None)
         if seed is None:
             seed = alias
         if seed is not None:
-            kwargs["seed"] = _as_int(seed, "sampling_seed")
+            kwargs["seed"] = _as_int(seed, "sampling_params.sampling_seed")
         stop = d.pop("stop", None)
         if stop is not None:
-            stops = [stop] if isinstance(stop, str) else list(stop)
-            if not all(isinstance(s, str) for s in stops):
-                raise ValueError("stop must be a string or a list of strings")
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise ValueError(f"sampling_params.stop must be a string or a list of strings, "
+                                 f"got {brief_repr(stop)}")
             kwargs["stop"] = tuple(stops)
         stop_ids = d.pop("stop_token_ids", None)
         if stop_ids is not None:
-            kwargs["stop_token_ids"] = tuple(_as_int(t, "stop_token_ids") for t in stop_ids)
+            if not isinstance(stop_ids, list):
+                raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids "
+                                 f"such as [2], got {brief_repr(stop_ids)}")
+            kwargs["stop_token_ids"] = tuple(_as_int(t, "sampling_params.stop_token_ids[]")
+                                             for t in stop_ids)
         for name in _IGNORED_SAMPLING_PARAMS:
             d.pop(name, None)
         for name, neutral in _NEUTRAL_SAMPLING_PARAMS.items():
             if name in d:
                 value = d.pop(name)
                 if value is not None and value != neutral:
-                    raise ValueError(f"sampling_params.{name}={value!r} is not supported by this "
-                                     f"engine; leave it at {neutral!r}")
+                    raise ValueError(f"sampling_params.{name}={brief_repr(value)} is not "
+                                     f"supported by this engine; leave it at {neutral!r}")
         if d:
             raise ValueError(f"unknown sampling_params {sorted(d)}; supported: max_new_tokens, "
                              "temperature, top_p, top_k, stop, stop_token_ids, n, sampling_seed, "
@@ -228,7 +242,8 @@ class GenerateResult:
     weight_version: the engine's weight version when the response finished.
     output_token_weight_versions: (O,) the weight version that produced each token (equal to
         ``weight_version`` everywhere unless the request spanned a weight update).
-    routed_experts: (P + O − 1 − start, num_layers, top_k) int32 expert ids, or None.
+    routed_experts: (P + O − 1 − start, num_layers, top_k) int32 expert ids, or None;
+        (0, num_layers, top_k) for a request aborted before its prompt was prefilled.
     text: the decoded output.
     rid: the engine's request id.
     engine_url: which engine answered (filled by the client).
@@ -417,13 +432,26 @@ def _parse_version(v: Any) -> int:
                                  "weight versions by int") from None
 
 
+def brief_repr(v: Any, limit: int = 60) -> str:
+    """A short one-line repr of a JSON value for error messages."""
+    text = repr(v).replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _as_int(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v:
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if (isinstance(v, bool) or not isinstance(v, int | float)
+            or (isinstance(v, float) and not math.isfinite(v)) or int(v) != v):
+        raise ValueError(f"{name} must be an integer, got {brief_repr(v)}")
     return int(v)
 
 
 def _as_float(v: Any, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"{name} must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {brief_repr(v)}")
     return float(v)
+
+
+def _as_bool(v: Any, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be true or false, got {brief_repr(v)}")
+    return v

@@ -39,10 +39,21 @@ def test_sampling_params_accept_sglang_spellings():
     ({"n": 0}, "n must be"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"max_new_tokens": 1.5}, "integer"),
+    (5, "sampling_params must be a JSON object"),
+    ([{"n": 1}], "sampling_params must be a JSON object"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+    ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ({"stop": [1]}, "stop must be a string or a list of strings"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+    ({"max_new_tokens": float("inf")}, "max_new_tokens must be an integer"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"n": "2"}, "n must be an integer"),
+    ({"top_p": True}, "top_p must be a finite number"),
 ])
 def test_sampling_params_reject_what_the_engine_cannot_honour(bad, words):
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(ValueError, match=words) as err:
         SamplingParams.from_sglang(bad)
+    assert "\n" not in str(err.value)
 
 
 def test_generate_request_body_and_token_estimate():

@@ -8,7 +8,12 @@ import httpx
 import numpy as np
 import pytest
 
-from training.engines.client import NoHealthyEngineError, RolloutClient, SyncRolloutClient
+from training.engines.client import (
+    NoHealthyEngineError,
+    RolloutClient,
+    SyncRolloutClient,
+    _estimate_tokens,
+)
 from training.engines.embedded.launch import EmbeddedServer, free_port, start_all
 from training.engines.hf_io import save_hf_dir
 from training.engines.model import CausalLM, ModelConfig
@@ -149,3 +154,48 @@ def test_no_engine_answers_raises_after_the_wait():
         s = client.stats()
         assert s.requests == s.lost == 1 and s.ejections == 1
         assert not client.health()
+
+
+@pytest.mark.parametrize("payload", [
+    {"sampling_params": 5}, {"input_ids": [1, 5], "sampling_params": [5, None]}, {"text": 5},
+    {"input_ids": 7}, {"input_ids": [[1, 2], 3], "sampling_params": {"max_new_tokens": "x"}},
+    {"input_ids": [1], "sampling_params": {"n": True, "max_new_tokens": -4}}, {},
+])
+def test_token_estimate_of_a_malformed_body_never_raises(payload):
+    assert _estimate_tokens(payload) >= 0
+    assert _estimate_tokens({"input_ids": [[1, 2], [1]], "sampling_params": {"n": 2}}) == \
+        3 + 2 * 128 * 2
+
+
+MALFORMED = [
+    {"input_ids": PROMPT, "sampling_params": 5},
+    {"text": 5},
+    {"input_ids": PROMPT, "sampling_params": {"stop_token_ids": 5}},
+    {"input_ids": PROMPT, "routed_experts_start_len": "abc"},
+    {"input_ids": PROMPT, "routed_experts_start_len": -2},
+    {"input_ids": [[1, 2], 3]},
+]
+
+
+def test_malformed_requests_are_rejected_once_without_retry_or_ejection(fleet):
+    a, b = fleet
+    with SyncRolloutClient([a.url, b.url], health_interval_s=0.2, failures_to_eject=1) as client:
+        for payload in MALFORMED:
+            with pytest.raises(EngineRequestError, match="HTTP 400") as err:
+                client.generate_raw(payload)
+            assert "\n" not in str(err.value)
+        with pytest.raises(EngineRequestError, match="input_ids holds 999"):
+            client.generate([GenerateRequest([1, 999], return_routed_experts=True)])
+        ok = client.generate([GenerateRequest(PROMPT, SamplingParams(max_new_tokens=4))])
+        assert ok[0][0].completion_tokens >= 1
+        with pytest.raises(TypeError, match="payload must be a dict"):
+            client.generate_raw([PROMPT])  # a caller bug: nothing sent, nothing counted
+        s = client.stats()
+    bad = len(MALFORMED) + 1
+    assert s.requests == bad + 1 and s.rejected == bad and s.completed == 1
+    assert s.requests == s.completed + s.rejected + s.lost + s.cancelled
+    assert s.retries == 0 and s.failed_attempts == 0 and s.lost == 0 and s.ejections == 0
+    assert all(e["admitted"] and e["failures"] == 0 for e in s.engines.values())
+    assert sum(e["rejected"] for e in s.engines.values()) == bad
+    assert all(e["in_flight"] == 0 and e["outstanding_tokens"] == 0
+               for e in s.engines.values())

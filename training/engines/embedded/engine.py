@@ -61,7 +61,9 @@ class SequenceOutput:
     finish: dict[str, Any]
     weight_version: int
     routes: np.ndarray | None
-    """(P + O − 1, L, k) int32, or None (dense model or not requested)."""
+    """(P + O − 1 − start, L, k) int32: the experts at every position whose next token was
+    computed, from ``routes_start`` on; None for a dense model or when not requested. A sequence
+    aborted while still queued (never prefilled: O = 0, nothing computed) has (0, L, k)."""
     text: str
     created: float
     finished: float
@@ -441,6 +443,8 @@ class RolloutEngineCore:
             return
         routes = None
         if s.return_routes and self.config.is_moe:
+            # positions whose next token was computed: P + O − 1 once prefilled (a prefill
+            # always samples the first token, so O ≥ 1); none for a never-prefilled sequence
             n_rows = len(s.prompt_ids) + len(s.output_ids) - 1
             if s.routes:
                 routes = torch.cat(s.routes)[:n_rows][s.routes_start:].numpy()

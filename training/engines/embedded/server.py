@@ -10,8 +10,10 @@ training.engines.embedded.server``). Endpoints, with SGLang 0.5.x field names:
   (item i's samples at i·n … i·n + n − 1). ``meta_info``: ``id``, ``finish_reason``,
   ``prompt_tokens``, ``completion_tokens``, ``weight_version``, ``output_token_weight_versions``,
   ``output_token_logprobs`` ([logprob, token_id, null] per token), ``routed_experts`` (base64
-  int32, (P + O − 1 − start, L, k)), ``e2e_latency``. A ``text`` prompt is tokenised with <bos>
-  prepended.
+  int32, (P + O − 1 − start, L, k): every position whose next token was computed; (0, L, k)
+  for a request aborted while still queued), ``e2e_latency``. A ``text`` prompt is tokenised
+  with <bos> prepended. The whole body is validated before anything is queued: a malformed
+  field answers HTTP 400 ``{"error": {"message"}}`` naming the field and the fix.
 - ``POST /update_weights_from_disk`` {model_path, weight_version?, abort_all_requests?} →
   {success, message}; a bad path keeps the old weights (HTTP 400, success false).
 - ``POST /pause_generation`` {mode: abort | retract | in_place}, ``POST /continue_generation``,
@@ -30,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
+import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -47,7 +52,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from training.engines.embedded.engine import RolloutEngineCore, Sequence, SequenceOutput
 from training.engines.hf_io import CheckpointError, load_hf_dir
 from training.engines.model import CausalLM
-from training.engines.rollout import PAUSE_MODES, SamplingParams, encode_routed_experts
+from training.engines.rollout import (
+    PAUSE_MODES,
+    SamplingParams,
+    brief_repr,
+    encode_routed_experts,
+)
 from training.engines.sampling import PrecisionConfig, SequenceRandom, apply_precision
 from training.tasks.tokenizer import CharTokenizer
 
@@ -134,56 +144,123 @@ class _Item:
     return_logprob: bool
 
 
+@dataclass
+class _GenerateBody:
+    """A validated ``/generate`` body: nothing reaches the engine before all of it parsed."""
+
+    items: list[_Item]
+    batched: bool
+    stream: bool
+    return_routes: bool
+    routes_start: int
+
+
+_INPUT_IDS_SHAPE = "a list of token ids such as [1, 5, 6], or a list of such lists for a batch"
+
+
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries for a batch of {count}")
+            raise ValueError(f"{name} has {len(value)} entries for a batch of {count} prompts; "
+                             "send one value, or one per prompt")
         return value
     return [value] * count
 
 
-def _parse_generate(body: dict[str, Any], state: ServerState) -> tuple[list[_Item], bool]:
-    """→ (items, batched). Raises ValueError (HTTP 400) naming the problem."""
+def _flag(value: Any, name: str) -> bool:
+    """A JSON boolean field (null = false)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {brief_repr(value)}")
+    return value
+
+
+def _prompts(body: dict[str, Any], state: ServerState) -> tuple[list[list[int]], bool]:
+    """→ (token-id prompts, batched) from ``input_ids`` or ``text``."""
+    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+    if has_ids == has_text:
+        raise ValueError("pass exactly one of input_ids or text")
+    if has_text:
+        raw = body["text"]
+        if isinstance(raw, str):
+            return [state.tokenizer.encode(raw, add_bos=True)], False
+        if not (isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw)):
+            raise ValueError(f"text must be a string or a non-empty list of strings, got "
+                             f"{brief_repr(raw)}")
+        return [state.tokenizer.encode(t, add_bos=True) for t in raw], True
+    raw = body["input_ids"]
+    if not isinstance(raw, list):
+        raise ValueError(f"input_ids must be {_INPUT_IDS_SHAPE}; got {brief_repr(raw)}")
+    batched = bool(raw) and isinstance(raw[0], list)
+    prompts = raw if batched else [raw]
+    vocab = state.core.config.vocab_size
+    for i, prompt in enumerate(prompts):
+        where = f"input_ids[{i}]" if batched else "input_ids"
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"{where} must be a non-empty list of token ids; input_ids must be "
+                             f"{_INPUT_IDS_SHAPE}")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"{where} holds {brief_repr(t)}: input_ids must be token ids "
+                                 f"in [0, {vocab}) (the model's vocab_size)")
+    return [list(p) for p in prompts], batched
+
+
+def _rid(value: Any, index: int) -> str:
+    if value is None:
+        return uuid.uuid4().hex
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ValueError(f"rid must be a string (or a list of one per prompt), got "
+                         f"{brief_repr(value)} for prompt {index}")
+    return str(value)
+
+
+def _parse_generate(body: Any, state: ServerState) -> _GenerateBody:
+    """Validate a whole ``/generate`` body. Raises ValueError (HTTP 400) naming the field and the
+    fix; nothing is queued until every field parsed."""
     cfg = state.core.config
     if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object")
-    if (body.get("input_ids") is None) == (body.get("text") is None):
-        raise ValueError("pass exactly one of input_ids or text")
-    if body.get("input_ids") is not None:
-        raw = body["input_ids"]
-        batched = bool(raw) and isinstance(raw[0], list)
-        prompts = raw if batched else [raw]
-    else:
-        raw = body["text"]
-        batched = isinstance(raw, list)
-        texts = raw if batched else [raw]
-        prompts = [state.tokenizer.encode(t, add_bos=True) for t in texts]
-    params = [SamplingParams.from_sglang(p) for p in
-              _per_item(body.get("sampling_params"), len(prompts), "sampling_params")]
-    logprob = _per_item(body.get("return_logprob", False), len(prompts), "return_logprob")
-    rids = _per_item(body.get("rid"), len(prompts), "rid")
-    items = []
-    for prompt, p, lp, rid in zip(prompts, params, logprob, rids, strict=True):
-        if not prompt or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in prompt):
-            raise ValueError(f"input_ids must be a non-empty list of ids in [0, {cfg.vocab_size})")
-        if len(prompt) >= cfg.max_position_embeddings:
-            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room to generate: the "
-                             f"context length is {cfg.max_position_embeddings}")
-        items.append(_Item(list(prompt), p, str(rid) if rid is not None else uuid.uuid4().hex,
-                           bool(lp)))
-    if body.get("return_routed_experts") and not cfg.is_moe:
-        raise ValueError("return_routed_experts: the served model is dense (no experts)")
+        raise ValueError(f'the body must be a JSON object such as {{"input_ids": [1, 5], '
+                         f'"sampling_params": {{}}}}, got {brief_repr(body)}')
+    prompts, batched = _prompts(body, state)
+    count = len(prompts)
+    sampling = _per_item(body.get("sampling_params"), count, "sampling_params")
+    params = [SamplingParams.from_sglang(p) for p in sampling]
+    logprob = [_flag(v, "return_logprob")
+               for v in _per_item(body.get("return_logprob"), count, "return_logprob")]
+    rids = [_rid(v, i) for i, v in enumerate(_per_item(body.get("rid"), count, "rid"))]
+    return_routes = _flag(body.get("return_routed_experts"), "return_routed_experts")
+    start = body.get("routed_experts_start_len")
+    start = 0 if start is None else start
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"routed_experts_start_len must be an integer >= 0 (the first position "
+                         f"whose routes are returned; 0 = all), got {brief_repr(start)}")
+    if return_routes and not cfg.is_moe:
+        raise ValueError("return_routed_experts: the served model is dense (no experts); omit "
+                         "it or serve an MoE checkpoint")
     if body.get("logprob_start_len") not in (None, -1):
         raise ValueError("logprob_start_len is not supported: input-token log-probs come from "
                          "the trainer; omit it")
-    return items, batched
+    stream = _flag(body.get("stream"), "stream")
+    if stream and (batched or params[0].n != 1):
+        raise ValueError("stream supports one prompt with n = 1; send a batch or n > 1 without "
+                         "stream")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens and leaves no room to "
+                             f"generate: the context length is {cfg.max_position_embeddings}; "
+                             "shorten it")
+    items = [_Item(prompt, p, rid, lp)
+             for prompt, p, lp, rid in zip(prompts, params, logprob, rids, strict=True)]
+    return _GenerateBody(items, batched, stream, return_routes, start)
 
 
-def _sequences(items: list[_Item], body: dict[str, Any], state: ServerState) -> list[Sequence]:
+def _sequences(req: _GenerateBody, state: ServerState) -> list[Sequence]:
     core = state.core
     ctx = core.config.max_position_embeddings
     seqs = []
-    for item in items:
+    for item in req.items:
         p = item.params
         base_seed = p.seed if p.seed is not None else core.new_seed()
         for j in range(p.n):
@@ -192,8 +269,7 @@ def _sequences(items: list[_Item], body: dict[str, Any], state: ServerState) -> 
                 prompt_ids=item.prompt, params=p,
                 max_new_tokens=min(p.max_new_tokens, ctx - len(item.prompt)),
                 rng=SequenceRandom(base_seed + j, core.precision.seed),
-                return_routes=bool(body.get("return_routed_experts", False)),
-                routes_start=int(body.get("routed_experts_start_len") or 0)))
+                return_routes=req.return_routes, routes_start=req.routes_start))
     return seqs
 
 
@@ -272,17 +348,18 @@ def create_app(state: ServerState) -> FastAPI:
     async def generate(request: Request):
         try:
             body = await request.json()
-        except json.JSONDecodeError as e:
-            return _error(400, f"body is not valid JSON: {e.msg}")
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            return _error(400, f"body is not valid JSON ({e}); send a JSON object")
         try:
-            items, batched = _parse_generate(body, state)
+            req = _parse_generate(body, state)
         except ValueError as e:
             return _error(400, str(e))
-        seqs = _sequences(items, body, state)
-        if body.get("stream"):
-            if batched or len(seqs) != 1:
-                return _error(400, "stream supports one prompt with n = 1; send a batch or "
-                                   "n > 1 without stream")
+        except (TypeError, KeyError, IndexError, AttributeError) as e:  # a shape not foreseen
+            return _error(400, f"malformed /generate body ({type(e).__name__}: {e}); see the "
+                               "SGLang /generate fields")
+        seqs = _sequences(req, state)
+        items, batched = req.items, req.batched
+        if req.stream:
             response = _stream(seqs[0], items[0], core)
             core.submit(seqs)
             return response
@@ -448,19 +525,95 @@ def build_state(cfg: ServerConfig) -> ServerState:
     return ServerState(cfg, core)
 
 
-def serve(cfg: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM. Raises CheckpointError before binding on a bad checkpoint."""
-    state = build_state(cfg)
-    app = create_app(state)
-    print(f"asyncrl engine: serving {state.model_path} (weight_version "
-          f"{state.core.weight_version}, {cfg.dtype}, noise {cfg.logit_noise}) on "
-          f"http://{cfg.host}:{cfg.port}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port,
-                                           log_level=cfg.log_level, access_log=False,
-                                           timeout_graceful_shutdown=2))
+class ServerStartError(RuntimeError):
+    """The server could not start listening (port in use, bad host); the message names the fix."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR, as uvicorn sets it; uvicorn listens on it).
+
+    Raises ServerStartError naming the host/port and the fix: port in use, no permission, host
+    not an address of this machine or not resolvable.
+    """
     try:
-        server.run()
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise ServerStartError(f"--host {host!r} is not an IP address or resolvable name "
+                               f"({reason}); pass e.g. --host 127.0.0.1 (local only) or "
+                               "0.0.0.0 (all interfaces)") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, like most clients
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServerStartError(_bind_error(host, port, e)) from None
+    return sock
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return (f"port {port} is in use on {host}; pick another --port (or stop the process "
+                "listening there)")
+    if e.errno == errno.EACCES:
+        return (f"no permission to bind port {port} on {host} (ports below 1024 need root); "
+                "pick another --port")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return (f"--host {host} is not an address of this machine; pass --host 127.0.0.1 "
+                "(local only) or 0.0.0.0 (all interfaces)")
+    return f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, calling ``on_started`` once it is listening."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._on_started()
+
+
+def serve(cfg: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM.
+
+    Raises CheckpointError on a bad checkpoint and ServerStartError when host:port cannot be
+    bound, both before anything is served; prints the "serving … on …" line to stderr only once
+    the server is listening.
+    """
+    state = build_state(cfg)
+    try:
+        sock = bind_socket(cfg.host, cfg.port)
+    except ServerStartError:
+        state.core.stop()
+        raise
+    host, port = sock.getsockname()[:2]  # the real port when --port 0
+    state.cfg = replace(cfg, port=port)
+    shown = f"[{host}]" if ":" in host else host
+
+    def announce() -> None:
+        print(f"asyncrl engine: serving {state.model_path} (weight_version "
+              f"{state.core.weight_version}, {cfg.dtype}, noise {cfg.logit_noise}) on "
+              f"http://{shown}:{port}", file=sys.stderr, flush=True)
+
+    server = _Server(uvicorn.Config(create_app(state), host=cfg.host, port=port,
+                                    log_level=cfg.log_level, access_log=False,
+                                    timeout_graceful_shutdown=2), announce)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as e:  # uvicorn exits the process when its startup fails
+        if server.started:
+            raise
+        raise ServerStartError(f"the HTTP server on {cfg.host}:{port} failed to start (uvicorn "
+                               f"exit code {e.code}); see the log above") from None
     finally:
+        sock.close()
         state.core.stop()
 
 
@@ -487,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
                            threads=a.threads, served_model_name=a.served_model_name,
                            log_level=a.log_level)
         serve(cfg)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ServerStartError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

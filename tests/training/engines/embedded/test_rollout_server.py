@@ -4,6 +4,8 @@ through `asyncrl engine serve`, an MoE fp32 one) on free ports, shared by the mo
 import asyncio
 import base64
 import json
+import os
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.engines.embedded.launch import EmbeddedServer, start_all
+from training.engines.embedded.launch import EmbeddedServer, free_port, start_all
 from training.engines.hf_io import load_hf_dir, save_hf_dir
 from training.engines.model import CausalLM, ModelConfig
 from training.engines.sampling import sampling_log_probs
@@ -356,6 +358,37 @@ def test_abort_request_by_rid_returns_partial_output(servers):
     assert 0 < out["meta_info"]["completion_tokens"] < 200
 
 
+def _routes(out):
+    raw = base64.b64decode(out["meta_info"]["routed_experts"])
+    return np.frombuffer(raw, dtype=np.int32).reshape(-1, 2, 2)
+
+
+def test_abort_returns_routes_of_the_computed_positions_only(servers):
+    """Routes cover every position whose next token was computed: P + O − 1 for a running
+    request; none for a request aborted while queued (never prefilled) → (0, L, k)."""
+    url = servers["moe"]
+    kw = dict(return_routed_experts=True)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(_long, url, 9, 300, rid="ran", **kw)
+            _wait_running(url)
+            HTTP.post(url + "/pause_generation", json={"mode": "in_place"})
+            queued = pool.submit(_long, url, 9, 300, rid="queued", **kw)
+            deadline = time.monotonic() + 30
+            while _state(url)["waiting"] < 1:
+                assert time.monotonic() < deadline, "request never queued"
+                time.sleep(0.01)
+            assert HTTP.post(url + "/abort_request", json={"abort_all": True}).json()[
+                "aborted"] == 2
+            ran, never = running.result(timeout=30), queued.result(timeout=30)
+    finally:
+        HTTP.post(url + "/continue_generation", json={})
+    assert ran["meta_info"]["finish_reason"]["type"] == "abort"
+    assert _routes(ran).shape == (len(PROMPT) + ran["meta_info"]["completion_tokens"] - 1, 2, 2)
+    assert never["meta_info"]["finish_reason"]["type"] == "abort"
+    assert never["output_ids"] == [] and _routes(never).shape == (0, 2, 2)
+
+
 def test_retract_then_continue_reproduces_the_uninterrupted_fp32_run(servers):
     url = servers["moe"]
     kw = dict(return_routed_experts=True)
@@ -401,6 +434,29 @@ def test_health_and_info_endpoints(servers):
 
 @pytest.mark.parametrize("body, words", [
     ({"input_ids": [1, 500]}, "input_ids"),
+    ({"input_ids": [1, 5], "sampling_params": 5}, "sampling_params must be a JSON object"),
+    ({"text": 5}, "text must be a string"),
+    ({"text": ["ab", 3]}, "text must be a string"),
+    ({"input_ids": [1, 5], "sampling_params": {"stop_token_ids": 5}}, "stop_token_ids"),
+    ({"input_ids": [1, 5], "sampling_params": {"stop": [5]}}, "stop must be"),
+    ({"input_ids": [1, 5], "sampling_params": {"ignore_eos": "no"}}, "ignore_eos"),
+    ({"input_ids": [1, 5], "sampling_params": {"max_new_tokens": "8"}}, "max_new_tokens"),
+    ({"input_ids": [1, 5], "routed_experts_start_len": "abc"}, "routed_experts_start_len"),
+    ({"input_ids": [1, 5], "routed_experts_start_len": -2}, "routed_experts_start_len"),
+    ({"input_ids": [1, 5], "routed_experts_start_len": 1.5}, "routed_experts_start_len"),
+    ({"input_ids": 5}, "input_ids must be a list"),
+    ({"input_ids": {"a": 1}}, "input_ids must be a list"),
+    ({"input_ids": [[1, 5], 3]}, "input_ids[1]"),
+    ({"input_ids": [[1, 5], []]}, "input_ids[1]"),
+    ({"input_ids": [1, None]}, "input_ids holds None"),
+    ({"input_ids": [1, True]}, "input_ids holds True"),
+    ({"input_ids": [[1, 5], [1, 6]], "sampling_params": [{}, {"top_k": "x"}]}, "top_k"),
+    ({"input_ids": [[1, 5], [1, 6]], "sampling_params": [{}]}, "sampling_params has 1"),
+    ({"input_ids": [1, 5], "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [1, 5], "rid": {"a": 1}}, "rid must be a string"),
+    ({"input_ids": [1, 5], "stream": "yes"}, "stream must be true or false"),
+    ([1, 5], "JSON object"),
+    ("hello", "JSON object"),
     ({"input_ids": [1, 5], "sampling_params": {"repetition_penalty": 1.3}},
      "repetition_penalty"),
     ({"input_ids": [1, 5], "return_routed_experts": True}, "dense"),
@@ -409,8 +465,57 @@ def test_health_and_info_endpoints(servers):
     ({"input_ids": [1], "stream": True, "sampling_params": {"n": 2}}, "stream"),
 ])
 def test_bad_requests_are_400_with_a_reason(servers, body, words):
+    before = _state(servers["dense"])["requests_finished"]
     r = HTTP.post(servers["dense"] + "/generate", json=body)
-    assert r.status_code == 400 and words in r.json()["error"]["message"]
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert words in message and "\n" not in message
+    assert _state(servers["dense"])["requests_finished"] == before  # nothing was queued
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'{"input_ids": [1, 5], "sampling_params": {"max_new_tokens": Infinity}}',
+     "max_new_tokens"),
+    (b'{"input_ids": [1, 5], "sampling_params": {"temperature": NaN}}', "temperature"),
+    (b'{"input_ids": [1, 5]', "not valid JSON"),
+    (b'\xff\xfe{}', "not valid JSON"),
+])
+def test_bodies_that_are_not_plain_json_are_400(servers, raw, words):
+    r = HTTP.post(servers["dense"] + "/generate", content=raw,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_cli_announces_once_listening_and_a_port_in_use_fails_in_one_line(ckpts):
+    port = str(free_port())
+    serve = [sys.executable, "-m", "ui.cli", "engine", "serve", "--checkpoint",
+             str(ckpts["dense"]), "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([*serve, "--port", port], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = first.stderr.readline()
+        assert line.startswith("asyncrl engine: serving ") and f":{port}" in line, line
+        # printed only once listening: the server answers the moment the line is out
+        assert HTTP.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        for extra, message in [
+            (["--port", port], f"error: port {port} is in use on 127.0.0.1; pick another "
+                               "--port (or stop the process listening there)"),
+            (["--port", port, "--host", "no-such-host.invalid"],
+             "error: --host 'no-such-host.invalid' is not an IP address or resolvable name"),
+        ]:
+            res = subprocess.run([*serve, *extra], capture_output=True, text=True, timeout=120,
+                                 env=env)
+            assert res.returncode == 1, res.stderr
+            assert res.stderr.startswith(message) and res.stderr.count("\n") == 1, res.stderr
+            assert "Traceback" not in res.stderr and "serving" not in res.stderr
+            assert res.stdout == ""
+    finally:
+        first.terminate()
+        try:
+            first.wait(10)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            first.wait(10)
 
 
 def test_cli_rejects_a_bad_checkpoint_in_one_line(tmp_path):
