@@ -89,17 +89,23 @@ def save_hf_dir(
         tokenizer.save(tmp)
         (tmp / META_FILE).write_text(json.dumps(
             {"weight_version": int(weight_version), **(meta or {})}, indent=2, default=str) + "\n")
-        if target.exists():
-            trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, trash)
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        move_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def move_into_place(tmp: Path, target: Path) -> None:
+    """Rename a fully written directory ``tmp`` to ``target``, replacing any old ``target``
+    (readers see the old or the new directory, never a mix)."""
+    if target.exists():
+        trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(target, trash)
+        os.replace(tmp, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
 
 
 def check_hf_dir(directory: str | Path) -> Path:

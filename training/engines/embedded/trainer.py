@@ -32,7 +32,6 @@ embedded backend:
 from __future__ import annotations
 
 import math
-import os
 import random
 import shutil
 import time
@@ -53,6 +52,7 @@ from training.engines.hf_io import (
     check_hf_dir,
     load_hf_dir,
     load_weights_into,
+    move_into_place,
     read_model_config,
     read_state_dict,
     save_hf_dir,
@@ -749,13 +749,7 @@ class EmbeddedTrainEngine:
                 "rng": _rng_state(),
             }
             torch.save(state, tmp / TRAINER_STATE_FILE)
-            if target.exists():
-                trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(target, trash)
-                os.replace(tmp, target)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
+            move_into_place(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
