@@ -107,6 +107,10 @@ class EmbeddedServer:
         raise TimeoutError(f"engine server {self.url} not healthy after {timeout:.0f} s:\n"
                            f"{self.log_tail()}")
 
+    def alive(self) -> bool:
+        """The process is running."""
+        return self.proc is not None and self.proc.poll() is None
+
     def kill(self) -> None:
         """SIGKILL (a crash, as far as clients can tell)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,674 @@
+"""The recipe: everything one training run needs, as a validated pydantic model (YAML on disk).
+
+A recipe is what a campaign stage promotes and what ``asyncrl train RECIPE.yaml`` runs. Sections
+(DESIGN.md "Recipe and campaign"):
+
+- ``model``: where the initial weights come from — the cached embedded warm start (``kind:
+  warmstart``, dense or MoE) or an HF-format checkpoint directory (``kind: checkpoint``).
+- ``engines``: rollout / train backends and how many rollout servers.
+- ``task``: the verifiable task, its arguments, the training difficulty mix and the eval set.
+- ``rollout``: group size n, prompts per mini-batch, sampling temperature, response cap.
+- ``async``: ``sync`` | ``one_step`` | ``fully_async`` (a discriminated union on ``mode``) with
+  seed 002's knobs (staleness_threshold, trigger_parameter_sync_step, require_batches,
+  partial_rollout), seed 004's max-ahead limit and ``max_off_policy_steps``.
+- ``data``: drain policy of the sample buffer and dispatch order (seed 000, stage 3).
+- ``algorithm``: advantage estimator, policy loss, old-log-prob strategy, IS/RS correction
+  (CompIS, a rollout-correction preset, decoupled PPO, or none), M2PO, OPSM, routing replay, KL.
+- ``optim``: learning rate, schedule, PPO epochs, gradient clipping.
+- ``eval``: held-out evaluation every N steps, per difficulty bucket.
+- ``steps``, ``seed``.
+
+Every field has bounds and a description (exported in the JSON schema, ``asyncrl schema recipe``);
+cross-field rules are validators whose message says how to fix the recipe. Names of losses,
+estimators, presets and tasks are checked against the algorithm/task registries and the error lists
+the valid ones. :func:`recipe_hash` is the stable identity of a recipe (the ``name`` and
+``description`` are labels and do not count).
+
+This module imports pydantic, yaml and the registries only (no torch model code, no Ray).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "AsyncConfig",
+    "Recipe",
+    "RecipeError",
+    "apply_overrides",
+    "load_recipe",
+    "recipe_from_dict",
+    "recipe_hash",
+    "recipe_json_schema",
+]
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the field and the fix (one line)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _registry_names(kind: str) -> list[str]:
+    """Valid names of a registry, imported lazily (torch loads only when a recipe is checked)."""
+    if kind == "loss":
+        from training.algorithms.policy_loss import POLICY_LOSSES
+        return POLICY_LOSSES.names()
+    if kind == "advantage":
+        from training.algorithms.advantages import ADVANTAGE_ESTIMATORS
+        return ADVANTAGE_ESTIMATORS.names()
+    if kind == "kl":
+        from training.algorithms.kl import KL_ESTIMATORS
+        return KL_ESTIMATORS.names()
+    if kind == "preset":
+        from training.algorithms.rollout_correction import PRESETS
+        return sorted(PRESETS)
+    if kind == "agg":
+        from training.algorithms.policy_loss import LOSS_AGG_MODES
+        return list(LOSS_AGG_MODES)
+    if kind == "task":
+        from training.tasks.registry import task_names
+        return task_names()
+    raise AssertionError(kind)
+
+
+def _check_name(value: str, kind: str, what: str) -> str:
+    names = _registry_names(kind)
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; use one of: {', '.join(names)}")
+    return value
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+
+class WarmStartModel(_Strict):
+    """The embedded model, supervised-warm-started on the recipe's task (cached by config hash
+    under $ASYNCRL_HOME/cache/warmstart; ``asyncrl warmstart`` builds the same checkpoint)."""
+
+    kind: Literal["warmstart"] = Field("warmstart", description=(
+        "Variant tag: the cached embedded warm start."))
+    moe_experts: int = Field(0, ge=0, le=64, description=(
+        "0 = dense; else upcycle the dense warm start to this many experts per layer (MoE)."))
+    moe_top_k: int = Field(2, ge=1, le=8, description="Experts per token of the MoE model.")
+    warmstart_steps: int = Field(700, ge=0, le=100_000, description=(
+        "Supervised warm-start steps (700 reaches ~1.0 greedy accuracy at k=2 on sum_digits)."))
+    hidden_size: int = Field(128, ge=16, le=4096, description="Model width d.")
+    num_layers: int = Field(4, ge=1, le=64, description="Transformer layers.")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> WarmStartModel:
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} exceeds moe_experts={self.moe_experts}; "
+                             "lower moe_top_k")
+        return self
+
+
+class CheckpointModel(_Strict):
+    """An HF-format checkpoint directory (config.json, model.safetensors, tokenizer.json), e.g.
+    a previous run's ``final/hf`` or a promoted checkpoint. Missing or unreadable → the run
+    refuses to start (never random weights)."""
+
+    kind: Literal["checkpoint"] = Field("checkpoint", description=(
+        "Variant tag: an HF-format checkpoint directory."))
+    path: str = Field(description="Directory of the HF-format checkpoint.")
+
+
+ModelSpec = Annotated[WarmStartModel | CheckpointModel, Field(discriminator="kind")]
+
+
+# --- engines, task, rollout ----------------------------------------------------------------------
+
+
+class EnginesConfig(_Strict):
+    """Rollout and training backends. Only the embedded CPU pair exists in this version."""
+
+    rollout: Literal["embedded"] = Field("embedded", description=(
+        "Rollout backend: 'embedded' (HTTP servers around the torch engine, bf16 KV cache)."))
+    train: Literal["embedded"] = Field("embedded", description=(
+        "Train backend: 'embedded' (fp32 torch on CPU)."))
+    num_rollout_engines: int = Field(2, ge=1, le=64, description=(
+        "Rollout servers behind the router (load-balanced by estimated tokens; a dead one's "
+        "requests are retried on the others)."))
+    rollout_dtype: Literal["bf16", "fp32", "fp8"] = Field("bf16", description=(
+        "Rollout numerics: bf16 (default, like SGLang), fp32 (no engine mismatch), fp8 "
+        "(simulated weight quantisation, more mismatch)."))
+    logit_noise: float = Field(0.0, ge=0.0, le=5.0, description=(
+        "Std of Gaussian noise added to rollout logits (a knob to inject engine mismatch)."))
+    max_batch: int = Field(64, ge=1, le=4096, description=(
+        "Most sequences one rollout server decodes together."))
+    snapshot_budget_mb: int = Field(256, ge=0, le=1_000_000, description=(
+        "CPU memory for old weight versions kept by the trainer (old_logprob: snapshot, R2)."))
+
+
+class TaskConfig(_Strict):
+    """The verifiable task (training.tasks registry)."""
+
+    name: str = Field("sum_digits", description="Registered task name (asyncrl algorithms list "
+                      "shows losses; tasks: sum_digits, jsonl).")
+    args: dict[str, Any] = Field(default_factory=dict, description=(
+        "Task constructor arguments, e.g. {min_k: 1, max_k: 8} for sum_digits or {path: "
+        "data.jsonl, reward: numeric} for jsonl."))
+    difficulty_weights: dict[int, float] = Field(default_factory=dict, description=(
+        "Training mix: relative weight of each difficulty bucket ({} = the task's balanced mix). "
+        "A heavy weight on easy buckets with a few hard ones makes the long-tail task."))
+
+    @field_validator("name")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        return _check_name(v, "task", "task")
+
+    @field_validator("difficulty_weights")
+    @classmethod
+    def _weights(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(w < 0 or not math.isfinite(w) for w in v.values()):
+            raise ValueError("difficulty weights must be finite and >= 0")
+        if v and not any(w > 0 for w in v.values()):
+            raise ValueError("at least one difficulty weight must be > 0")
+        return v
+
+
+class RolloutConfig(_Strict):
+    """Sampling settings of the rollout engines."""
+
+    n: int = Field(8, ge=1, le=1024, description="Samples per prompt (the GRPO group size).")
+    batch_prompts: int = Field(8, ge=1, le=100_000, description=(
+        "Prompts per mini-batch (seed 002's ppo_mini_batch_size). A trainer step consumes "
+        "async.require_batches mini-batches."))
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description=(
+        "Sampling temperature; the trainer's log-probs use the same temperature."))
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description=(
+        "Nucleus sampling (1 = off). Truncation shows up as engine mismatch."))
+    max_response_tokens: int = Field(32, ge=1, le=100_000, description=(
+        "Response cap; longer responses are truncated (finish_reason length, counted in "
+        "rollout/truncation_rate)."))
+
+
+# --- async ---------------------------------------------------------------------------------------
+
+
+class _AsyncCommon(_Strict):
+    require_batches: int = Field(1, ge=1, le=1024, description=(
+        "Mini-batches per trainer step (seed 002): a step consumes require_batches × "
+        "batch_prompts groups and makes one optimizer step per mini-batch and epoch."))
+    max_ahead_steps: int | None = Field(None, ge=0, le=1_000, description=(
+        "Seed 004's rate limit η: a sample may be submitted only while ⌊(N_r−1)/B⌋ ≤ i + η "
+        "(N_r samples submitted, B samples per step, i the current step). None = off."))
+    max_off_policy_steps: int | None = Field(None, ge=0, le=1_000, description=(
+        "Samples more than this many steps behind the trainer when consumed are dropped and "
+        "counted (async/dropped_stale_samples). None = keep all."))
+
+
+class SyncMode(_AsyncCommon):
+    """On-policy pipeline: generate a step's batch with the current weights, train, sync."""
+
+    mode: Literal["sync"] = Field("sync", description="Variant tag: synchronous, on-policy.")
+
+
+class OneStepMode(_AsyncCommon):
+    """One-step off-policy: generate batch N+1 while training batch N (staleness ≤ 1)."""
+
+    mode: Literal["one_step"] = Field("one_step", description=(
+        "Variant tag: one-step off-policy (staleness <= 1)."))
+
+
+class FullyAsyncMode(_AsyncCommon):
+    """Fully asynchronous streaming (seed 002): the rollouter never waits for the trainer except
+    for the staleness limits."""
+
+    mode: Literal["fully_async"] = Field("fully_async", description=(
+        "Variant tag: fully asynchronous streaming."))
+    staleness_threshold: float = Field(0.5, ge=0.0, le=16.0, description=(
+        "Seed 002: after a sync the rollouter may generate at most (1 + staleness_threshold) × "
+        "trigger_parameter_sync_step × samples per step − stale samples (rollout_num). < 1 is "
+        "recommended."))
+    trigger_parameter_sync_step: int = Field(1, ge=1, le=1024, description=(
+        "Trainer steps (local updates) between two parameter syncs to the rollout engines."))
+    partial_rollout: bool = Field(True, description=(
+        "At a sync, pause the engines mid-generation, load the new weights and resume: "
+        "interrupted samples keep their tokens and per-token versions. False: stop submitting "
+        "and wait for in-flight requests to finish before syncing."))
+
+
+AsyncSpec = Annotated[SyncMode | OneStepMode | FullyAsyncMode, Field(discriminator="mode")]
+AsyncConfig = SyncMode | OneStepMode | FullyAsyncMode
+
+
+class DataConfig(_Strict):
+    """The data pipeline of seed 000 stage 3."""
+
+    drain: Literal["fifo", "windowed_fifo"] = Field("windowed_fifo", description=(
+        "fully_async only (sync/one_step consume whole batches in submission order): 'fifo' = "
+        "naive arrival order (easy prompts finish first → simplicity bias); 'windowed_fifo' = "
+        "only groups within `window` of the oldest unconsumed submitted group are eligible."))
+    window: int = Field(16, ge=1, le=100_000, description="Windowed FIFO width, in groups.")
+    dispatch: Literal["fifo", "length_aware"] = Field("length_aware", description=(
+        "'length_aware': probe the first sample of each group at top priority, then dispatch "
+        "the rest longest-expected first (EMA length cache per prompt: later epochs skip the "
+        "probe); 'fifo': submission order."))
+    length_ema: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "EMA weight of a new length observation in the per-prompt length cache."))
+    max_in_flight: int = Field(64, ge=1, le=100_000, description=(
+        "Most sample requests outstanding at the engines at once."))
+
+
+# --- algorithm -----------------------------------------------------------------------------------
+
+
+class AdvantageSpec(_Strict):
+    """Advantage estimator (training.algorithms.advantages) and its settings."""
+
+    estimator: str = Field("grpo", description="Registered estimator, e.g. grpo, rloo, "
+                           "reinforce_plus_plus; Dr.GRPO = grpo with norm_by_std false.")
+    norm_by_std: bool = Field(True, description=(
+        "grpo: divide by the group std (False = Dr.GRPO, seed 000 stage 4 fix 1)."))
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount (gae, reinforce++).")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE λ.")
+
+    @field_validator("estimator")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_name(v, "advantage", "advantage estimator")
+
+
+class LossSpec(_Strict):
+    """Policy loss (training.algorithms.policy_loss) and its main settings."""
+
+    name: str = Field("vanilla", description="Registered policy loss (vanilla = PPO clip, gspo, "
+                      "cispo, sapo, ...).")
+    agg: str = Field("token-mean", description="Loss aggregation: token-mean, seq-mean-token-sum, "
+                     "seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO).")
+    clip_ratio: float = Field(0.2, gt=0.0, le=10.0, description="PPO ε.")
+    clip_ratio_low: float | None = Field(None, gt=0.0, le=10.0, description="ε_low (None = ε).")
+    clip_ratio_high: float | None = Field(None, gt=0.0, le=10.0, description=(
+        "ε_high (clip-higher; None = ε)."))
+    clip_ratio_c: float = Field(3.0, gt=1.0, le=100.0, description="Dual-clip constant c.")
+    entropy_coeff: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_name(v, "loss", "policy loss")
+
+    @field_validator("agg")
+    @classmethod
+    def _agg(cls, v: str) -> str:
+        return _check_name(v, "agg", "loss aggregation")
+
+
+class SourceSpec(_Strict):
+    """One mismatch source's correction (seed 000's CompIS table)."""
+
+    method: Literal["cap", "clip", "icepop", "none"] = Field(description=(
+        "cap: zero tokens with ratio > upper; clip: clamp to [lower, upper]; icepop: zero tokens "
+        "outside [lower, upper]; none: measure only."))
+    lower: float | None = Field(None, ge=0.0, description="Lower bound (None = method default).")
+    upper: float | None = Field(None, gt=0.0, description="Upper bound (None = method default).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SourceSpec:
+        if self.method == "cap" and self.lower is not None:
+            raise ValueError("cap is one-sided: remove `lower` or use icepop/clip")
+        if self.lower is not None and self.upper is not None and self.lower > self.upper:
+            raise ValueError(f"lower {self.lower} > upper {self.upper}; swap them")
+        return self
+
+
+class NoCorrection(_Strict):
+    """No IS weights: the PPO ratio is π_θ / π_prox only."""
+
+    kind: Literal["none"] = Field("none", description="Variant tag: no IS correction.")
+
+
+class CompISCorrection(_Strict):
+    """CompIS (seed 000): staleness ratio π_prox/π_old and engine ratio π_old/μ, each corrected by
+    its own method; the PPO clip handles π_θ/π_prox."""
+
+    kind: Literal["compis"] = Field("compis", description=(
+        "Variant tag: CompIS per-source correction."))
+    staleness: SourceSpec = Field(default_factory=lambda: SourceSpec(method="cap"),
+                                  description="Correction of r3 = π_prox/π_old (default cap 5).")
+    engine: SourceSpec = Field(default_factory=lambda: SourceSpec(method="icepop"),
+                               description="Correction of r2 = π_old/μ (default IcePop [0.5, 5]).")
+
+
+class PresetCorrection(_Strict):
+    """A rollout-correction preset of seed 001's table (verl's framework: token/sequence TIS,
+    RS modes, bypass vs decoupled)."""
+
+    kind: Literal["preset"] = Field("preset", description=(
+        "Variant tag: a named rollout-correction preset."))
+    name: str = Field(description="Preset name, e.g. decoupled_token_is, decoupled_geo_rs.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_name(v, "preset", "rollout-correction preset")
+
+
+class DecoupledCorrection(_Strict):
+    """Decoupled PPO (AReaL, seed 004): behaviour weight π_prox/π_behav, capped."""
+
+    kind: Literal["decoupled"] = Field("decoupled", description=(
+        "Variant tag: decoupled PPO."))
+    behaviour_weight_cap: float | None = Field(5.0, gt=0.0, description=(
+        "Tokens with π_prox/π_behav above this are masked (None = no cap)."))
+
+
+CorrectionSpec = Annotated[
+    NoCorrection | CompISCorrection | PresetCorrection | DecoupledCorrection,
+    Field(discriminator="kind"),
+]
+
+
+class EWMASpec(_Strict):
+    """Revised PPO-EWMA reference (seed 003 §5.2)."""
+
+    staleness_window: float | None = Field(None, ge=0.0, le=1000.0, description=(
+        "Expected staleness W (steps); β = W/(W+2). None = derived from the async mode."))
+    reset_interval: int | None = Field(None, ge=1, description=(
+        "Reset the reference to the current weights after this many updates (None = never)."))
+    reset_mask_frac: float | None = Field(0.1, gt=0.0, le=1.0, description=(
+        "Reset when the engine-ratio mask rejects more than this fraction of tokens."))
+
+
+class M2POSpec(_Strict):
+    """M2PO second-moment masking (seed 000 stage 2)."""
+
+    threshold: float = Field(0.04, gt=0.0, description="Mean m2 target of the kept tokens.")
+    max_cutoff: float | None = Field(None, gt=0.0, description="Optional hard per-token cap.")
+
+
+class OPSMSpec(_Strict):
+    """Off-policy sequence masking (DeepSeek-V3.2, seed 001)."""
+
+    delta: float = Field(1e-4, gt=0.0, description=(
+        "Negative-advantage sequences with mean log(μ/π) above δ are masked."))
+
+
+class KLSpec(_Strict):
+    """KL to the initial (reference) policy, as a penalty in the reward."""
+
+    mode: Literal["none", "in_reward"] = Field("none", description=(
+        "'in_reward': token reward −= coef·KL(π_old ‖ π_ref); 'none': off."))
+    estimator: str = Field("k1", description="KL estimator: k1, abs, k2, k3, k1+, k3+.")
+    coef: float = Field(0.001, ge=0.0, le=10.0, description="Initial KL coefficient β.")
+    target: float | None = Field(None, gt=0.0, description=(
+        "Adaptive controller target KL (None = fixed coefficient)."))
+    horizon: int = Field(10_000, ge=1, description="Adaptive controller horizon.")
+
+    @field_validator("estimator")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_name(v, "kl", "KL estimator")
+
+
+OLD_LOGPROB_STRATEGIES = ("recompute", "snapshot", "ewma", "loglinear", "bypass")
+
+
+class AlgorithmConfig(_Strict):
+    """The RL algorithm, every part selected by name from training.algorithms."""
+
+    advantage: AdvantageSpec = Field(default_factory=AdvantageSpec, description=(
+        "Advantage estimator and its settings."))
+    loss: LossSpec = Field(default_factory=LossSpec, description=(
+        "Policy loss, aggregation and clipping."))
+    old_logprob: Literal["recompute", "snapshot", "ewma", "loglinear", "bypass"] = Field(
+        "snapshot", description=(
+            "Where π_old comes from (seed 003): recompute = current trainer weights before the "
+            "step; snapshot = the trainer version that produced each token (exact); ewma = "
+            "revised PPO-EWMA reference; loglinear = A-3PO interpolation; bypass = rollout "
+            "log-probs."))
+    ewma: EWMASpec = Field(default_factory=EWMASpec, description=(
+        "Revised PPO-EWMA reference settings (used when old_logprob is ewma)."))
+    correction: CorrectionSpec = Field(default_factory=NoCorrection, description=(
+        "IS/RS correction, by kind: none, compis, preset or decoupled."))
+    m2po: M2POSpec | None = Field(None, description="M2PO masking (null = off).")
+    opsm: OPSMSpec | None = Field(None, description="OPSM masking (null = off).")
+    routing_replay: Literal["none", "r2", "r3"] = Field("none", description=(
+        "MoE routing replay: r2 = the trainer's own earlier routes, r3 = the rollout's routes."))
+    kl: KLSpec = Field(default_factory=KLSpec, description=(
+        "KL penalty to the initial policy (off by default)."))
+
+    @model_validator(mode="after")
+    def _combos(self) -> AlgorithmConfig:
+        if self.old_logprob == "bypass" and isinstance(self.correction, CompISCorrection):
+            raise ValueError("CompIS needs π_old distinct from the rollout log-probs; with "
+                             "old_logprob: bypass use correction kind none or a bypass preset")
+        return self
+
+
+class OptimSpec(_Strict):
+    """Optimizer (AdamW) and PPO schedule."""
+
+    lr: float = Field(2e-4, gt=0.0, le=1.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Gradient-norm clip (None = off).")
+    lr_schedule: Literal["constant", "linear_warmup", "cosine"] = Field(
+        "constant", description="Learning-rate schedule over the run's optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    epochs: int = Field(1, ge=1, le=64, description="PPO epochs over each trainer step's batch.")
+    micro_batch_size: int | None = Field(None, ge=1, description=(
+        "Sequences per forward/backward (gradient accumulation; None = whole mini-batch)."))
+
+
+class EvalSpec(_Strict):
+    """Held-out evaluation on the rollout engines (greedy), per difficulty bucket."""
+
+    every: int = Field(10, ge=0, description="Evaluate every N trainer steps (0 = only at the "
+                       "end; the start and the end are always evaluated when n > 0).")
+    n: int = Field(64, ge=0, le=100_000, description="Eval prompts (0 = no eval).")
+
+
+class Recipe(_Strict):
+    """One training run (see the module docstring for the sections)."""
+
+    name: str = Field("recipe", min_length=1, max_length=200, description="A label.")
+    description: str = Field("", description="Free text (not part of the hash).")
+    seed: int = Field(0, ge=0, description="Seeds the task split, prompt order and sampling.")
+    steps: int = Field(20, ge=1, le=1_000_000, description="Trainer steps (global steps).")
+    model: ModelSpec = Field(default_factory=WarmStartModel, description=(
+        "Initial weights, by kind: warmstart (embedded, dense or MoE) or checkpoint (HF dir)."))
+    engines: EnginesConfig = Field(default_factory=EnginesConfig, description=(
+        "Rollout and train backends, rollout server count and numerics."))
+    task: TaskConfig = Field(default_factory=TaskConfig, description=(
+        "The verifiable task, its arguments and the training difficulty mix."))
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description=(
+        "Sampling: group size, prompts per mini-batch, temperature, response cap."))
+    async_: AsyncSpec = Field(default_factory=SyncMode, alias="async", description=(
+        "Pipeline mode, by mode: sync, one_step or fully_async, with its staleness knobs."))
+    data: DataConfig = Field(default_factory=DataConfig, description=(
+        "Sample-buffer drain policy and dispatch order."))
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description=(
+        "Advantage, policy loss, old log-probs, IS/RS correction, masking, routing replay, KL."))
+    optim: OptimSpec = Field(default_factory=OptimSpec, description=(
+        "AdamW settings, LR schedule and PPO epochs."))
+    eval: EvalSpec = Field(default_factory=EvalSpec, description=(
+        "Held-out greedy evaluation cadence and size."))
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Recipe:
+        moe = isinstance(self.model, WarmStartModel) and self.model.moe_experts > 0
+        if self.algorithm.routing_replay != "none" and isinstance(self.model, WarmStartModel) \
+                and not moe:
+            raise ValueError(f"algorithm.routing_replay={self.algorithm.routing_replay} needs an "
+                             "MoE model: set model.moe_experts > 0 or routing_replay: none")
+        if self.data.max_in_flight < self.rollout.n:
+            raise ValueError(f"data.max_in_flight={self.data.max_in_flight} is below the group "
+                             f"size rollout.n={self.rollout.n}; raise it")
+        return self
+
+    # --- derived ---------------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.async_.mode
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.rollout.batch_prompts * self.async_.require_batches
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.groups_per_step * self.rollout.n
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.model, WarmStartModel) and self.model.moe_experts > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, the YAML layout (``async`` key)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def hash(self) -> str:
+        return recipe_hash(self)
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """16 hex digits of sha256 over the canonical JSON of every field but name/description.
+    Stable across processes and field order in the YAML; defaults count (an explicit default and
+    an omitted one hash the same)."""
+    data = recipe.to_dict()
+    data.pop("name", None)
+    data.pop("description", None)
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+# Discriminated unions: the field holding one, its tag key and its tags. Pydantic puts the tag in
+# an error's location ("async.fully_async.x"); users write "async.x".
+_UNIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "model": ("kind", ("warmstart", "checkpoint")),
+    "async": ("mode", ("sync", "one_step", "fully_async")),
+    "correction": ("kind", ("none", "compis", "preset", "decoupled")),
+}
+
+
+def _error_location(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for p in (str(p) for p in loc):
+        if p.startswith("function-after"):
+            continue
+        if parts and parts[-1] in _UNIONS and p in _UNIONS[parts[-1]][1]:
+            continue  # the variant tag pydantic inserts after a union field
+        parts.append(p)
+    return ".".join(parts)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    parts = []
+    for e in err.errors()[:3]:
+        loc = _error_location(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = ("unknown field; remove it or check its spelling (asyncrl schema recipe "
+                   "lists them)")
+        elif e["type"] == "union_tag_invalid":
+            msg = msg.replace("Input tag", "value")
+        elif e["type"] == "union_tag_not_found":
+            field = loc.rsplit(".", 1)[-1]
+            key, tags = _UNIONS.get(field, ("kind", ()))
+            msg = f"missing `{key}`; add {key}: one of {', '.join(tags)}"
+        parts.append(f"{loc}: {msg}" if loc else msg)  # cross-field errors name their fields
+    more = len(err.errors()) - 3
+    tail = f" (+{more} more)" if more > 0 else ""
+    return f"{source}: " + "; ".join(parts) + tail
+
+
+def recipe_from_dict(data: Mapping[str, Any], source: str = "recipe") -> Recipe:
+    """Validate plain data → :class:`Recipe`; errors → :class:`RecipeError` (one line)."""
+    if not isinstance(data, Mapping):
+        raise RecipeError(f"{source}: a recipe is a mapping of sections (model, rollout, async, "
+                          f"...), got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(dict(data))
+    except ValidationError as err:
+        raise RecipeError(_format_error(err, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe YAML file; ``overrides`` are dotted keys (``optim.lr``) or
+    nested mappings applied before validation."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file {p} does not exist; pass the path of a YAML recipe "
+                          "(see recipes/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise RecipeError(f"{p}:{where} is not valid YAML ({getattr(err, 'problem', err)}); "
+                          "fix the syntax") from None
+    if data is None:
+        data = {}
+    if overrides:
+        if not isinstance(data, Mapping):
+            raise RecipeError(f"{p}: a recipe is a mapping of sections")
+        data = apply_overrides(data, overrides)
+    return recipe_from_dict(data, str(p))
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``overrides`` into a copy of ``data``. Keys may be dotted (``async.mode``).
+    A mapping merges into a mapping; any other value replaces. Changing a discriminator
+    (``async.mode``, ``algorithm.correction.kind``) drops the old variant's other fields that the
+    new variant does not accept."""
+    out = json.loads(json.dumps(dict(data)))  # deep copy of plain data
+    for key, value in overrides.items():
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        last = parts[-1]
+        if isinstance(value, Mapping) and isinstance(node.get(last), dict):
+            node[last] = _merge(node[last], value)
+        else:
+            node[last] = json.loads(json.dumps(value))
+    return out
+
+
+def _merge(base: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    tag = next((k for k in ("mode", "kind") if k in new and k in base and new[k] != base[k]), None)
+    if tag is not None:  # switching variant: start from the new one
+        return json.loads(json.dumps(dict(new)))
+    out = dict(base)
+    for k, v in new.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = json.loads(json.dumps(v))
+    return out
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON schema of the recipe YAML (for editors: yaml-language-server ``$schema``)."""
+    schema = Recipe.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "asyncrl recipe"
+    return schema

@@ -1,0 +1,143 @@
+"""The sample buffer (seed 002's MessageQueue) and the trainer, as classes Ray runs as actors.
+
+- :class:`SampleBuffer` holds completed groups and hands them to the trainer by the drain policy
+  (``submission`` for sync / one-step, ``fifo`` or ``windowed_fifo`` for fully async;
+  :class:`~training.runtime.pipeline.GroupBuffer`). ``take`` waits (asyncio) until enough groups
+  are eligible, so the trainer's idle time is real waiting time.
+- :class:`TrainerWorker` owns the train engine and the :class:`~training.runtime.learner.Learner`
+  (old log-probs, corrections, advantages, the update), exports weights for syncs and writes /
+  restores the trainer checkpoint.
+
+The parameter synchroniser is :meth:`training.runtime.run.Runtime.sync` (trainer export →
+rollouter ``sync_weights``), between these two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from training.runtime.pipeline import GroupBuffer
+from training.runtime.types import Group
+
+__all__ = ["SampleBuffer", "TrainerWorker"]
+
+
+class SampleBuffer:
+    """Completed groups waiting for the trainer (an asyncio actor)."""
+
+    def __init__(self, drain: str, window: int) -> None:
+        self.buffer = GroupBuffer(drain=drain, window=window)
+        self._cond: asyncio.Condition | None = None
+        self.put_count = 0
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def submitted(self, group_id: int) -> None:
+        self.buffer.submitted(group_id)
+
+    async def put(self, group: Group) -> None:
+        cond = self._condition()
+        async with cond:
+            self.buffer.put(group)
+            self.put_count += 1
+            cond.notify_all()
+
+    async def take(self, k: int, timeout: float) -> list[Group] | None:
+        """``k`` groups by the drain policy, waiting up to ``timeout`` seconds; None on timeout."""
+        cond = self._condition()
+        deadline = time.monotonic() + timeout
+        async with cond:
+            while True:
+                got = self.buffer.take(k)
+                if got is not None:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(cond.wait(), timeout=left)
+                except TimeoutError:
+                    return None
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Buffered groups (as JSON data) and the drain state, for a checkpoint."""
+        groups = self.buffer.buffered()
+        return {"groups": [g.to_json() for g in groups],
+                "buffered_ids": sorted(g.group_id for g in groups)}
+
+    async def restore(self, groups: list[dict[str, Any]], submitted_ids: list[int]) -> None:
+        """Resume: register ``submitted_ids`` (buffered + regenerated) and put the groups back."""
+        for gid in sorted(submitted_ids):
+            self.buffer.submitted(gid)
+        for g in groups:
+            self.buffer.put(Group.from_json(g))
+
+    async def stats(self) -> dict[str, float]:
+        return {"async/buffered_groups": float(len(self.buffer)),
+                "async/outstanding_groups": float(self.buffer.outstanding()),
+                "async/buffer_head": float(self.buffer.head)}
+
+    async def take_log(self) -> list[tuple[int, int]]:
+        return list(self.buffer.take_log)
+
+
+class TrainerWorker:
+    """The trainer actor: an embedded train engine driven by the Learner.
+
+    Args:
+        recipe: ``Recipe.to_dict()``.
+        init_dir: the initial HF checkpoint (also the KL reference).
+        resume_dir: a trainer checkpoint to resume from exactly (None: warm start from
+            ``init_dir``).
+        total_optimizer_steps: for the learning-rate schedule.
+    """
+
+    def __init__(self, recipe: dict[str, Any], init_dir: str, resume_dir: str | None,
+                 total_optimizer_steps: int) -> None:
+        import torch
+
+        from training.engines.embedded.trainer import EmbeddedTrainEngine
+        from training.engines.train import OptimConfig
+        from training.recipe import Recipe
+        from training.runtime.learner import Learner
+
+        torch.set_num_threads(1)
+        self.recipe = Recipe.model_validate(recipe)
+        o = self.recipe.optim
+        optim = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+                            lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
+                            total_steps=max(1, total_optimizer_steps))
+        budget = self.recipe.engines.snapshot_budget_mb * 2**20
+        if resume_dir is not None:
+            self.engine = EmbeddedTrainEngine.from_checkpoint(resume_dir,
+                                                              snapshot_budget_bytes=budget)
+        else:
+            self.engine = EmbeddedTrainEngine.from_pretrained(init_dir, optim=optim,
+                                                              snapshot_budget_bytes=budget)
+        self.learner = Learner(self.engine, self.recipe, reference_dir=init_dir)
+
+    def weight_version(self) -> int:
+        return int(self.engine.weight_version)
+
+    def step(self, groups: list[Group], step: int) -> dict[str, Any]:
+        """One trainer step; returns {trained, rejected_reason, metrics, weight_version, time}."""
+        t0 = time.monotonic()
+        res = self.learner.step(groups, step)
+        return {"trained": res.trained, "rejected_reason": res.rejected_reason,
+                "metrics": res.metrics, "weight_version": int(self.engine.weight_version),
+                "time": time.monotonic() - t0}
+
+    def export(self, directory: str) -> int:
+        """HF directory of the current weights (what the rollout engines load)."""
+        return int(self.engine.export_weights(directory))
+
+    def save(self, directory: str) -> str:
+        return str(self.engine.save_checkpoint(directory))
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,407 @@
+"""The Rollouter (seed 002): turns prompts into scored groups as fast as the staleness limits allow.
+
+It runs as an asyncio Ray actor (:class:`Rollouter`; plain async methods, so it also runs without
+Ray) and owns:
+
+- the **prompt stream**: group ``g`` (submission order) is a deterministic function of the recipe
+  seed and ``g`` (:func:`example_for_group`), so a group that was in flight when a run stopped is
+  regenerated identically on resume;
+- the **staleness controller** (seed 002's rollout_num quota per sync, seed 004's max-ahead limit):
+  a new group is submitted only when it allows n more samples;
+- the **dispatcher** (seed 000 stage 3): fifo or length-aware (probe first, then longest expected
+  first, EMA length cache per prompt);
+- one :class:`~training.engines.client.RolloutClient` over every rollout engine (load balancing by
+  estimated tokens — length-aware dispatch gives each request a ``max_new_tokens`` estimate — health
+  checks, retry on another engine when one dies);
+- **weight syncs** (:meth:`Rollouter.sync_weights`): with partial rollout the engines are paused
+  mid-generation (``retract``: running sequences keep their tokens and per-token versions and are
+  re-prefilled under the new weights), the weights are loaded and generation continues; without
+  it, submission stops and the in-flight requests finish before the weights change.
+
+Every finished sample is scored by the task's reward and, when its group is complete, the group is
+pushed to the sample buffer actor. A sample whose request failed on every engine is re-queued at
+top priority and counted (``async/sample_retries``): nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.engines.client import RolloutClient
+from training.engines.rollout import GenerateRequest, RolloutEngineError, SamplingParams
+from training.recipe import Recipe
+from training.runtime.pipeline import Dispatcher, StalenessController
+from training.runtime.types import Group, Sample
+from training.tasks.registry import Example, Task, get_task, stable_hash
+from training.tasks.tokenizer import CharTokenizer
+
+__all__ = ["Rollouter", "build_task", "example_for_group"]
+
+log = logging.getLogger("asyncrl.runtime")
+
+
+def build_task(recipe: Recipe) -> Task:
+    """The recipe's task (seeded with the recipe seed)."""
+    return get_task(recipe.task.name, seed=recipe.seed, **recipe.task.args)
+
+
+def example_for_group(task: Task, recipe: Recipe, group_id: int) -> Example:
+    """The training prompt of group ``group_id``: deterministic in (recipe seed, group id).
+
+    With ``task.difficulty_weights`` the bucket is drawn by weight first; otherwise the task's
+    own balanced mix is used.
+    """
+    rng = random.Random(stable_hash(recipe.seed, "group", group_id))
+    weights = recipe.task.difficulty_weights
+    difficulty = None
+    if weights:
+        buckets = sorted(weights)
+        difficulty = rng.choices(buckets, weights=[weights[b] for b in buckets])[0]
+    seed = rng.randrange(2**31)
+    return task.examples("train", 1, seed=seed, difficulty=difficulty)[0]
+
+
+@dataclass
+class _Pending:
+    """A submitted group being generated."""
+
+    example: Example
+    prompt_ids: list[int]
+    submit_step: int
+    samples: list[Sample | None] = field(default_factory=list)
+
+
+class Rollouter:
+    """Generates groups into the sample buffer (see the module docstring).
+
+    Args:
+        recipe: the recipe as plain data (``Recipe.to_dict()``; validated again here).
+        urls: rollout engine base URLs.
+        buffer: the sample buffer actor handle (``put`` / ``submitted`` remote methods) or a
+            local object with async-compatible ``put`` / ``submitted``.
+        start: resume state from :meth:`state` (None for a fresh run): next group id, groups to
+            regenerate, policy step and version, controller and dispatcher state.
+        version: the weight version the engines serve at start.
+    """
+
+    def __init__(self, recipe: dict[str, Any], urls: list[str], buffer: Any,
+                 start: dict[str, Any] | None = None, version: int = 0) -> None:
+        import torch
+        torch.set_num_threads(1)
+        self.recipe = Recipe.model_validate(recipe)
+        self.task = build_task(self.recipe)
+        self.tokenizer = CharTokenizer()
+        self.urls = list(urls)
+        self.buffer = buffer
+        r = self.recipe
+        a = r.async_
+        self.n = r.rollout.n
+        self.controller = StalenessController(
+            r.samples_per_step,
+            staleness_threshold={"sync": 0.0, "one_step": 1.0}.get(a.mode, getattr(
+                a, "staleness_threshold", 0.0)),
+            trigger_parameter_sync_step=getattr(a, "trigger_parameter_sync_step", 1),
+            max_ahead_steps=a.max_ahead_steps,
+        )
+        self.dispatcher = Dispatcher(r.data.dispatch, ema_alpha=r.data.length_ema)
+        self.partial_rollout = bool(getattr(a, "partial_rollout", False))
+        self.max_in_flight = r.data.max_in_flight
+        self.moe = r.is_moe and r.algorithm.routing_replay == "r3"
+        self.policy_step = 0
+        self.version = int(version)
+        self.next_group_id = 0
+        self._regen: list[int] = []
+        if start:
+            self.next_group_id = int(start["next_group_id"])
+            self._regen = sorted(int(g) for g in start.get("regenerate", []))
+            self.policy_step = int(start.get("policy_step", 0))
+            self.controller.load_state_dict(start["controller"])
+            self.dispatcher.load_state_dict(start["dispatcher"])
+        self.client: RolloutClient | None = None
+        self._groups: dict[int, _Pending] = {}
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._syncing = False
+        self._stopping = False
+        self._error: str | None = None
+        # counters (async/*)
+        self._t0 = time.monotonic()
+        self._idle = 0.0
+        self._idle_since: float | None = time.monotonic()
+        self.counters = dict(samples_generated=0, tokens_generated=0, sample_retries=0,
+                             groups_completed=0, partial_samples=0, syncs=0)
+        self._sync_times: list[float] = []
+        self._wait_times: list[float] = []
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> bool:
+        """Open the client and start generating (idempotent)."""
+        if self._loop_task is None:
+            self.client = RolloutClient(self.urls, health_interval_s=0.5)
+            await self.client.start()
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.create_task(self._loop())
+        return True
+
+    async def stop(self) -> bool:
+        """Stop generating, cancel in-flight requests, close the client."""
+        self._stopping = True
+        if self._wake is not None:
+            self._wake.set()
+        for t in list(self._tasks):
+            t.cancel()
+        if self._loop_task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._loop_task, timeout=5)
+        if self.client is not None:
+            await self.client.close()
+        return True
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # --- main loop ----------------------------------------------------------------------------
+    def _mark_busy_state(self) -> None:
+        now = time.monotonic()
+        if self._in_flight == 0:
+            if self._idle_since is None:
+                self._idle_since = now
+        elif self._idle_since is not None:
+            self._idle += now - self._idle_since
+            self._idle_since = None
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                if not self._syncing:
+                    await self._submit_allowed()
+                    self._dispatch_ready()
+                self._mark_busy_state()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+        except Exception as e:
+            self._error = f"rollouter loop failed: {type(e).__name__}: {e}"
+            log.exception("rollouter loop failed")
+
+    async def _submit_allowed(self) -> None:
+        while self._regen:  # groups in flight when the checkpoint was taken: regenerate them
+            await self._submit(self._regen.pop(0), count=False)
+        while self.controller.can_submit(self.n, self.policy_step):
+            gid = self.next_group_id
+            self.next_group_id += 1
+            await self._submit(gid, count=True)
+
+    async def _submit(self, gid: int, count: bool) -> None:
+        example = example_for_group(self.task, self.recipe, gid)
+        prompt_ids = self.tokenizer.encode(example.prompt, add_bos=True)
+        self._groups[gid] = _Pending(example, prompt_ids, self.policy_step, [None] * self.n)
+        if count:  # a regenerated group was counted and registered with the buffer already
+            self.controller.on_submit(self.n)
+            sub = self.buffer.submitted
+            await (sub.remote(gid) if hasattr(sub, "remote") else sub(gid))
+        self.dispatcher.add_group(gid, example.id, self.n)
+
+    def _dispatch_ready(self) -> None:
+        while self._in_flight < self.max_in_flight:
+            item = self.dispatcher.pop()
+            if item is None:
+                return
+            gid, idx = item
+            self._in_flight += 1
+            task = asyncio.create_task(self._run_sample(gid, idx))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _request(self, gid: int, idx: int, attempt: int) -> GenerateRequest:
+        pend = self._groups[gid]
+        r = self.recipe.rollout
+        sampling = SamplingParams(
+            max_new_tokens=r.max_response_tokens, temperature=r.temperature, top_p=r.top_p,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+            seed=stable_hash(self.recipe.seed, "sample", gid, idx, attempt) % 2**31)
+        return GenerateRequest(input_ids=pend.prompt_ids, sampling=sampling,
+                               return_routed_experts=self.moe)
+
+    async def _run_sample(self, gid: int, idx: int) -> None:
+        pend = self._groups[gid]
+        submitted = time.time()
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                assert self.client is not None
+                try:
+                    res = (await self.client.generate_one(self._request(gid, idx, attempt)))[0]
+                except RolloutEngineError as e:
+                    self.counters["sample_retries"] += 1
+                    log.warning("sample %d/%d failed on every engine (%s); retrying", gid, idx, e)
+                    await asyncio.sleep(min(2.0, 0.2 * attempt))
+                    continue
+                if res.aborted:  # an engine dropped it mid-way (e.g. abort-mode pause): redo
+                    self.counters["sample_retries"] += 1
+                    continue
+                break
+            text = self.tokenizer.decode(res.output_ids)
+            reward = self.task.reward(pend.example, text)
+            logprobs = res.output_logprobs or []
+            sample = Sample(
+                group_id=gid, sample_index=idx, prompt_id=pend.example.id,
+                prompt_ids=list(pend.prompt_ids), response_ids=list(res.output_ids),
+                rollout_log_probs=[float(x) for x in logprobs],
+                token_versions=[int(v) for v in res.output_token_weight_versions],
+                loss_mask=[1] * len(res.output_ids), reward=float(reward),
+                difficulty=pend.example.difficulty, finish_reason=res.finish_reason,
+                routes=res.routed_experts if self.moe else None, engine_url=res.engine_url,
+                submitted_at=submitted, finished_at=time.time(), attempts=attempt)
+            self.counters["samples_generated"] += 1
+            self.counters["tokens_generated"] += len(res.output_ids)
+            if sample.spans_sync:
+                self.counters["partial_samples"] += 1
+            self.dispatcher.complete(gid, idx, len(res.output_ids))
+            pend.samples[idx] = sample
+            if all(s is not None for s in pend.samples):
+                del self._groups[gid]
+                group = Group(group_id=gid, prompt_id=pend.example.id,
+                              difficulty=pend.example.difficulty, answer=pend.example.answer,
+                              submit_step=pend.submit_step,
+                              samples=[s for s in pend.samples if s is not None],
+                              completed_at=time.time())
+                self.counters["groups_completed"] += 1
+                put = self.buffer.put
+                await (put.remote(group) if hasattr(put, "remote") else put(group))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._error = f"sample {gid}/{idx} failed: {type(e).__name__}: {e}"
+            log.exception("sample failed")
+        finally:
+            self._in_flight -= 1
+            self._mark_busy_state()
+            self._poke()
+
+    # --- weight sync --------------------------------------------------------------------------
+    async def sync_weights(self, path: str, version: int, step: int,
+                           consumed_samples: int) -> dict[str, float]:
+        """Load ``path`` (weight ``version``, trainer ``step``) on every engine.
+
+        Partial rollout: pause (retract) → load → continue; in-flight samples keep their tokens.
+        Otherwise: stop dispatching, wait for the in-flight requests, load, resume.
+        ``consumed_samples`` (trained + dropped so far) sets the next rollout_num quota.
+        Returns ``async/sync_wait_s`` (waiting for generation to stop) and
+        ``async/weight_sync_s`` (loading the weights on the engines).
+        """
+        assert self.client is not None
+        self._syncing = True
+        t0 = time.monotonic()
+        try:
+            if self.partial_rollout:
+                await self.client.pause_generation("retract")
+            else:
+                while self._in_flight > 0:
+                    await asyncio.sleep(0.01)
+            t1 = time.monotonic()
+            results = await self.client.update_weights_from_disk(path, version)
+            if not any(r.success for r in results):
+                raise RolloutEngineError("no engine loaded the new weights: " + "; ".join(
+                    f"{r.engine_url}: {r.message}" for r in results))
+            if self.partial_rollout:
+                await self.client.continue_generation()
+            t2 = time.monotonic()
+        finally:
+            self._syncing = False
+        self.version = int(version)
+        self.policy_step = int(step)
+        outstanding = self.controller.submitted_total - int(consumed_samples)
+        quota = self.controller.on_sync(step, max(0, outstanding))
+        self.counters["syncs"] += 1
+        self._sync_times.append(t2 - t1)
+        self._wait_times.append(t1 - t0)
+        self._poke()
+        return {"async/sync_wait_s": t1 - t0, "async/weight_sync_s": t2 - t1,
+                "async/rollout_quota": float(quota), "async/stale_outstanding": float(outstanding)}
+
+    # --- eval ---------------------------------------------------------------------------------
+    async def evaluate(self, n: int) -> dict[str, float]:
+        """Greedy generation on ``n`` held-out prompts (spread over the difficulties) with the
+        engines' current weights; reward per difficulty bucket under ``eval/*``."""
+        assert self.client is not None
+        examples = self.task.examples("eval", n)
+        r = self.recipe.rollout
+
+        async def one(ex: Example) -> tuple[Example, float, int, bool]:
+            sampling = SamplingParams(max_new_tokens=r.max_response_tokens, temperature=0.0,
+                                      stop_token_ids=(self.tokenizer.eos_token_id,))
+            req = GenerateRequest(input_ids=self.tokenizer.encode(ex.prompt, add_bos=True),
+                                  sampling=sampling, return_logprob=False)
+            res = (await self.client.generate_one(req))[0]  # type: ignore[union-attr]
+            text = self.tokenizer.decode(res.output_ids)
+            return ex, self.task.reward(ex, text), len(res.output_ids), res.finish_reason == \
+                "length"
+
+        rows = await asyncio.gather(*(one(ex) for ex in examples))
+        out: dict[str, float] = {}
+        if not rows:
+            return out
+        out["eval/reward_mean"] = sum(x[1] for x in rows) / len(rows)
+        out["eval/response_length_mean"] = sum(x[2] for x in rows) / len(rows)
+        out["eval/truncation_rate"] = sum(x[3] for x in rows) / len(rows)
+        out["eval/n"] = float(len(rows))
+        out["eval/weight_version"] = float(self.version)
+        buckets: dict[int, list[float]] = {}
+        for ex, rew, _, _ in rows:
+            if ex.difficulty is not None:
+                buckets.setdefault(ex.difficulty, []).append(rew)
+        for d, vals in sorted(buckets.items()):
+            out[f"eval/reward/d{d}"] = sum(vals) / len(vals)
+        return out
+
+    # --- state and stats ----------------------------------------------------------------------
+    async def stats(self) -> dict[str, float]:
+        """``async/*`` rollouter figures (cumulative) and the router's fault counters."""
+        self._mark_busy_state()
+        wall = max(time.monotonic() - self._t0, 1e-9)
+        idle = self._idle + (time.monotonic() - self._idle_since if self._idle_since else 0.0)
+        out = {f"async/{k}": float(v) for k, v in self.counters.items()}
+        out["async/rollouter_idle_ratio"] = min(1.0, idle / wall)
+        out["async/in_flight_samples"] = float(self._in_flight)
+        out["async/rollout_quota"] = float(self.controller.quota)
+        out["async/submitted_samples"] = float(self.controller.submitted_total)
+        out["async/rollout_tokens_per_s"] = self.counters["tokens_generated"] / wall
+        out.update(self.dispatcher.stats())
+        if self.client is not None:
+            st = self.client.stats()
+            out["async/engine_retries"] = float(st.retries)
+            out["async/engine_failed_attempts"] = float(st.failed_attempts)
+            out["async/engine_ejections"] = float(st.ejections)
+            out["async/engine_readmissions"] = float(st.readmissions)
+            out["async/requests_lost"] = float(st.lost)
+            out["async/engines_admitted"] = float(sum(
+                1 for e in st.engines.values() if e.get("admitted")))
+        return out
+
+    async def error(self) -> str | None:
+        """The first unexpected failure inside the actor, if any (the driver stops the run)."""
+        return self._error
+
+    async def state(self) -> dict[str, Any]:
+        """Resume state: the next group id, the groups still being generated (to regenerate),
+        the policy step, controller and dispatcher state."""
+        return {"next_group_id": self.next_group_id,
+                "regenerate": sorted(set(self._groups) | set(self._regen)),
+                "policy_step": self.policy_step,
+                "controller": self.controller.state_dict(),
+                "dispatcher": self.dispatcher.state_dict()}
+
+    async def ping(self) -> bool:
+        return True

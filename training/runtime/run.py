@@ -1,0 +1,573 @@
+"""One recipe in, one finished run out: the driver of the asynchronous runtime (seed 002 on Ray).
+
+:func:`run_recipe` starts (or joins) Ray, starts the embedded rollout servers, creates the
+:class:`~training.runtime.rollouter.Rollouter`, :class:`~training.runtime.actors.SampleBuffer` and
+:class:`~training.runtime.actors.TrainerWorker` actors, and drives the trainer loop:
+
+1. take the step's groups from the buffer (waiting time = trainer idle time), drop samples more than
+   ``max_off_policy_steps`` behind (counted), measure staleness;
+2. train (old log-probs, corrections, advantages, the update — :mod:`training.runtime.learner`);
+   a batch with NaN/inf log-probs or rewards is rejected (counted, logged, never trained on);
+3. every ``trigger_parameter_sync_step`` steps, the parameter synchroniser exports the trainer's
+   weights and loads them on the rollout engines (partial rollout: pause, load, resume);
+4. evaluate every ``eval.every`` steps; log every metric to the sinks; checkpoint.
+
+Modes differ only in the staleness controller and the drain: ``sync`` (quota = one step of samples
+per sync, strict submission order → staleness 0), ``one_step`` (quota two steps → the next batch
+is generated while this one trains; staleness ≤ 1), ``fully_async`` (seed 002's rollout_num with
+staleness_threshold, seed 004's max-ahead η, fifo or windowed-FIFO drain, optional partial rollout).
+
+Staleness of a sample = trainer step now − the step whose weights produced its oldest token.
+
+Run directory: ``recipe.yaml``, ``metrics.jsonl``, ``checkpoint/`` (``trainer/`` exact trainer
+state, ``hf/`` the weights the engines serve, ``runtime.json`` counters and pipeline state,
+``buffer.jsonl`` completed groups not yet trained on), ``weights/`` (sync exports),
+``final/hf`` (HF checkpoint of the last weights), ``summary.json``.
+
+Resume (``resume=RUN_DIR``): the trainer restarts exactly from ``checkpoint/trainer``; the engines
+start from ``checkpoint/hf``; groups that were buffered are restored from ``buffer.jsonl``; groups
+that were still being generated are regenerated (same prompts, same group ids); nothing is trained
+on twice, nothing is silently lost. Metrics of steps after the checkpoint are cut from
+``metrics.jsonl`` and recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.engines.hf_io import CheckpointError, move_into_place, read_meta
+from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_hash
+from training.runtime.pipeline import staleness_metrics
+from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
+from training.runtime.types import Group
+
+__all__ = ["RunError", "RunResult", "Runtime", "initial_checkpoint", "run_recipe", "split_stale"]
+
+log = logging.getLogger("asyncrl.runtime")
+
+ProgressFn = Callable[[int, int, dict[str, float]], None]
+CHECKPOINT_DIR = "checkpoint"
+RUNTIME_STATE = "runtime.json"
+BUFFER_FILE = "buffer.jsonl"
+
+
+class RunError(Exception):
+    """A run that cannot start or continue; the message is one line naming the fix."""
+
+
+@dataclass
+class RunResult:
+    """What a finished (or interrupted) run leaves behind."""
+
+    run_dir: Path
+    final_hf: Path
+    trainer_checkpoint: Path
+    metrics_path: Path
+    summary: dict[str, float] = field(default_factory=dict)
+    steps_done: int = 0
+    interrupted: bool = False
+
+
+def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = None) -> Path:
+    """The HF directory the run starts from: the cached warm start or the given checkpoint."""
+    if isinstance(recipe.model, CheckpointModel):
+        path = Path(recipe.model.path).expanduser()
+        from training.engines.hf_io import read_model_config
+        try:
+            read_model_config(path)
+        except CheckpointError as e:
+            raise RunError(f"model.path: {e}") from None
+        return path
+    from training.tasks.warmstart import WarmStartConfig, warm_start
+
+    m = recipe.model
+    cfg = WarmStartConfig(task=recipe.task.name, task_args=tuple(sorted(recipe.task.args.items())),
+                          seed=recipe.seed, steps=m.warmstart_steps, hidden_size=m.hidden_size,
+                          num_layers=m.num_layers, moe_experts=m.moe_experts,
+                          moe_top_k=m.moe_top_k)
+    return warm_start(cfg, None, progress=progress).path
+
+
+def _step_of(step_start_versions: Sequence[int], version: int) -> int:
+    """The trainer step whose weights had ``version`` (versions only grow)."""
+    return max(0, bisect.bisect_right(step_start_versions, version) - 1)
+
+
+def split_stale(groups: Sequence[Group], step: int, step_start_versions: Sequence[int],
+                limit: int | None) -> tuple[list[Group], list[int], int]:
+    """Drop the samples more than ``limit`` steps behind ``step`` (``max_off_policy_steps``).
+
+    Staleness of a sample = ``step`` − the step whose weights produced its oldest token
+    (``step_start_versions[s]`` is the weight version trainer step ``s`` started from). A group
+    keeps its fresh samples; a group with none left is dropped. Returns (kept groups, the
+    staleness of every kept sample in order, number of dropped samples).
+    """
+    kept_groups: list[Group] = []
+    staleness: list[int] = []
+    dropped = 0
+    for g in groups:
+        kept = []
+        for s in g.samples:
+            st = step - _step_of(step_start_versions, s.min_version)
+            if limit is not None and st > limit:
+                dropped += 1
+            else:
+                kept.append((s, st))
+        if kept:
+            g.samples = [s for s, _ in kept]
+            staleness.extend(st for _, st in kept)
+            kept_groups.append(g)
+    return kept_groups, staleness, dropped
+
+
+class Runtime:
+    """One run (see the module docstring); use :func:`run_recipe`."""
+
+    def __init__(self, recipe: Recipe, *, out: Path, steps: int | None, resume: bool,
+                 ray_address: str | None, sinks: Sequence[MetricsSink],
+                 progress: ProgressFn | None, checkpoint_every: int,
+                 stall_timeout_s: float = 600.0) -> None:
+        self.recipe = recipe
+        self.run_dir = out
+        self.total_steps = int(steps if steps is not None else recipe.steps)
+        self.resume = resume
+        self.ray_address = ray_address
+        self.extra_sinks = list(sinks)
+        self.progress = progress
+        self.checkpoint_every = checkpoint_every
+        self.stall_timeout_s = stall_timeout_s
+        self.servers: list[Any] = []
+        self._started_ray = False
+        self._actors: list[Any] = []
+        # run state (persisted in runtime.json)
+        self.step = 0
+        self.step_start_versions: list[int] = []
+        self.consumed_samples = 0
+        self.counters: dict[str, float] = dict(
+            dropped_stale_samples=0, stale_samples_processed=0, stale_trajectories_processed=0,
+            rejected_batches=0, trained_samples=0, trained_tokens=0, wait_time_s=0.0,
+            train_time_s=0.0, sync_time_s=0.0, eval_time_s=0.0, wall_time_s=0.0)
+        self.init_dir: Path | None = None
+        self.last_eval: dict[str, float] = {}
+
+    # --- setup --------------------------------------------------------------------------------
+    def _ray(self) -> Any:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray
+
+        if not ray.is_initialized():
+            try:
+                if self.ray_address:
+                    ray.init(address=self.ray_address, log_to_driver=False)
+                else:
+                    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                             log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                where = self.ray_address or "a local Ray instance"
+                raise RunError(f"cannot start or join {where}: {e}; check --ray-address") from None
+            self._started_ray = True
+        return ray
+
+    def _start_servers(self, checkpoint: Path) -> list[str]:
+        from training.engines.embedded.launch import EmbeddedServer, start_all
+
+        e = self.recipe.engines
+        servers = [EmbeddedServer(checkpoint, dtype=e.rollout_dtype, logit_noise=e.logit_noise,
+                                  seed=self.recipe.seed + i, max_batch=e.max_batch, threads=1)
+                   for i in range(e.num_rollout_engines)]
+        try:
+            start_all(servers, timeout=120)
+        except Exception as err:
+            tail = servers[0].log_tail(300).strip().splitlines()[-1:] if servers else []
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RunError(f"rollout engines did not start ({first}); last log line: "
+                           f"{tail[0] if tail else '-'}; logs in {servers[0].log_path.parent}"
+                           ) from None
+        self.servers = servers
+        return [s.url for s in servers]
+
+    def _load_resume_state(self) -> dict[str, Any]:
+        ckpt = self.run_dir / CHECKPOINT_DIR
+        state_path = ckpt / RUNTIME_STATE
+        if not state_path.is_file():
+            raise RunError(f"{self.run_dir} has no checkpoint ({state_path} is missing); resume "
+                           "needs a run directory written by asyncrl train with a checkpoint")
+        try:
+            state = json.loads(state_path.read_text())
+        except json.JSONDecodeError as e:
+            raise RunError(f"{state_path} is corrupt ({e.msg}); resume from another run "
+                           "directory or start afresh") from None
+        want = _identity(self.recipe)
+        if state.get("recipe_identity") != want:
+            raise RunError(f"the recipe differs from the one {self.run_dir} was started with; "
+                           f"resume with the run's own recipe ({self.run_dir / 'recipe.yaml'})")
+        return state
+
+    # --- the run ------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        resume_state = self._load_resume_state() if self.resume else None
+        if resume_state is None:
+            (self.run_dir / "recipe.yaml").write_text(self.recipe.to_yaml())
+            self.init_dir = initial_checkpoint(self.recipe)
+            engine_dir = self.init_dir
+            trainer_resume = None
+        else:
+            self.init_dir = Path(resume_state["init_dir"])
+            engine_dir = self.run_dir / CHECKPOINT_DIR / "hf"
+            trainer_resume = str(self.run_dir / CHECKPOINT_DIR / "trainer")
+            self._restore_counters(resume_state)
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if resume_state is not None:
+            _truncate_metrics(metrics_path, self.step)
+        sink = MultiSink([JsonlSink(metrics_path, append=resume_state is not None),
+                          *self.extra_sinks])
+        interrupted = False
+        try:
+            ray = self._ray()
+            urls = self._start_servers(engine_dir)
+            version0 = int(read_meta(engine_dir).get("weight_version", 0))
+            self._create_actors(ray, urls, trainer_resume, resume_state, version0)
+            if not self.step_start_versions:
+                self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
+            if resume_state is None and self.recipe.eval.n > 0:
+                m = self._evaluate(ray)
+                sink.log(0, {**m, "step/eval_only": 1.0})
+            t_start = time.monotonic() - self.counters["wall_time_s"]
+            while self.step < self.total_steps:
+                metrics = self._one_step(ray)
+                self.counters["wall_time_s"] = time.monotonic() - t_start
+                metrics["async/trainer_idle_ratio"] = (
+                    self.counters["wait_time_s"] / max(self.counters["wall_time_s"], 1e-9))
+                metrics["async/wall_time_s"] = self.counters["wall_time_s"]
+                sink.log(self.step, metrics)
+                self.step += 1
+                if self.progress is not None:
+                    self.progress(self.step, self.total_steps, metrics)
+                if (self.checkpoint_every and self.step % self.checkpoint_every == 0
+                        and self.step < self.total_steps):
+                    self._checkpoint(ray)
+            self._checkpoint(ray)
+            final_hf = self.run_dir / "final" / "hf"
+            ray.get(self.trainer.export.remote(str(final_hf)))
+        except KeyboardInterrupt:
+            interrupted = True
+            log.warning("interrupted: stopping the run (resume from the last checkpoint)")
+        finally:
+            sink.close()
+            self._shutdown()
+        summary = _summarise(metrics_path, self.counters, self.step)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return RunResult(run_dir=self.run_dir, final_hf=self.run_dir / "final" / "hf",
+                         trainer_checkpoint=self.run_dir / CHECKPOINT_DIR / "trainer",
+                         metrics_path=metrics_path, summary=summary, steps_done=self.step,
+                         interrupted=interrupted)
+
+    def _create_actors(self, ray: Any, urls: list[str], trainer_resume: str | None,
+                       resume_state: dict[str, Any] | None, version0: int) -> None:
+        from training.runtime.actors import SampleBuffer, TrainerWorker
+        from training.runtime.rollouter import Rollouter
+
+        r = self.recipe
+        drain = "submission" if r.mode in ("sync", "one_step") else r.data.drain
+        data = r.to_dict()
+        self.buffer = ray.remote(num_cpus=0)(SampleBuffer).remote(drain, r.data.window)
+        total_opt = self.total_steps * r.async_.require_batches * r.optim.epochs
+        self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(
+            data, str(self.init_dir), trainer_resume, total_opt)
+        start = None
+        if resume_state is not None:
+            start = resume_state["rollouter"]
+            groups = _read_buffer_file(self.run_dir / CHECKPOINT_DIR / BUFFER_FILE)
+            ids = [g["group_id"] for g in groups] + list(start["regenerate"])
+            ray.get(self.buffer.restore.remote(groups, ids))
+        self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
+            data, urls, self.buffer, start, version0)
+        self._actors = [self.rollouter, self.trainer, self.buffer]
+        try:
+            ray.get([self.trainer.ping.remote(), self.rollouter.start.remote()])
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if hasattr(e, "cause") else e
+            if isinstance(cause, CheckpointError):
+                raise RunError(str(cause)) from None
+            raise
+
+    def _take_groups(self, ray: Any) -> tuple[list[Group], list[int], int]:
+        """The step's groups (stale samples dropped); returns (groups, staleness per kept
+        sample, dropped samples)."""
+        need = self.recipe.groups_per_step
+        limit = self.recipe.async_.max_off_policy_steps
+        groups: list[Group] = []
+        staleness: list[int] = []
+        dropped = 0
+        last_progress = time.monotonic()
+        while len(groups) < need:
+            got = ray.get(self.buffer.take.remote(need - len(groups), 2.0))
+            if got is None:
+                err = ray.get(self.rollouter.error.remote())
+                if err:
+                    raise RunError(err)
+                if not any(s.alive() for s in self.servers):
+                    raise RunError("every rollout engine died; see the engine logs in "
+                                   f"{self.servers[0].log_path.parent}")
+                if time.monotonic() - last_progress > self.stall_timeout_s:
+                    raise RunError(f"no samples arrived for {self.stall_timeout_s:.0f} s; check "
+                                   f"the engine logs in {self.servers[0].log_path.parent}")
+                continue
+            last_progress = time.monotonic()
+            self.consumed_samples += sum(g.n for g in got)
+            kept, st, n_drop = split_stale(got, self.step, self.step_start_versions, limit)
+            groups.extend(kept)
+            staleness.extend(st)
+            dropped += n_drop
+        return groups, staleness, dropped
+
+    def _one_step(self, ray: Any) -> dict[str, float]:
+        t0 = time.monotonic()
+        groups, staleness, dropped = self._take_groups(ray)
+        t1 = time.monotonic()
+        res = ray.get(self.trainer.step.remote(groups, self.step))
+        t2 = time.monotonic()
+        metrics: dict[str, float] = dict(res["metrics"])
+        c = self.counters
+        c["wait_time_s"] += t1 - t0
+        c["train_time_s"] += t2 - t1
+        c["dropped_stale_samples"] += dropped
+        samples = [s for g in groups for s in g.samples]
+        stale = [st for st in staleness if st > 0]
+        c["stale_samples_processed"] += len(stale)
+        c["stale_trajectories_processed"] += sum(
+            1 for g in groups if any(self.step - _step_of(self.step_start_versions, s.min_version)
+                                     > 0 for s in g.samples))
+        if res["trained"]:
+            c["trained_samples"] += len(samples)
+            c["trained_tokens"] += sum(s.response_len for s in samples)
+        else:
+            c["rejected_batches"] += 1
+            log.warning("step %d: batch rejected: %s", self.step, res["rejected_reason"])
+        partial = [s for s in samples if s.spans_sync]
+        spans = [_step_of(self.step_start_versions, max(s.token_versions))
+                 - _step_of(self.step_start_versions, min(s.token_versions)) for s in partial]
+        metrics.update(staleness_metrics(staleness))
+        metrics.update({
+            "async/dropped_stale_samples": c["dropped_stale_samples"],
+            "async/dropped_stale_samples_step": float(dropped),
+            "async/stale_samples_processed": c["stale_samples_processed"],
+            "async/stale_trajectories_processed": c["stale_trajectories_processed"],
+            "async/partial_ratio": len(partial) / max(len(samples), 1),
+            "async/max_partial_span": float(max(spans, default=0)),
+            "async/rejected_batches": c["rejected_batches"],
+            "async/batch_rejected": 0.0 if res["trained"] else 1.0,
+            "async/wait_time_s": t1 - t0,
+            "async/train_time_s": t2 - t1,
+            "async/trainer_step_time_s": float(res["time"]),
+            "async/trained_samples": c["trained_samples"],
+            "async/consumed_samples": float(self.consumed_samples),
+        })
+        version = int(res["weight_version"])
+        self.step_start_versions.append(version)
+        k = getattr(self.recipe.async_, "trigger_parameter_sync_step", 1)
+        if (self.step + 1) % k == 0 or self.step + 1 == self.total_steps:
+            metrics.update(self._sync(ray, version, self.step + 1))
+        t3 = time.monotonic()
+        every = self.recipe.eval.every
+        last = self.step + 1 == self.total_steps
+        if self.recipe.eval.n > 0 and ((every and (self.step + 1) % every == 0) or last):
+            metrics.update(self._evaluate(ray))
+        metrics.update(ray.get(self.rollouter.stats.remote()))
+        metrics.update(ray.get(self.buffer.stats.remote()))
+        step_time = time.monotonic() - t0
+        metrics["async/step_time_s"] = step_time
+        metrics["async/tokens_per_s"] = (sum(s.response_len for s in samples)
+                                         / max(t3 - t0, 1e-9))
+        metrics["step/weight_version"] = float(version)
+        metrics["step/step"] = float(self.step)
+        return metrics
+
+    def _sync(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
+        """The parameter synchroniser: export the trainer's weights, load them on the engines."""
+        t0 = time.monotonic()
+        target = self.run_dir / "weights" / f"v{version}"
+        if not target.exists():
+            ray.get(self.trainer.export.remote(str(target)))
+        t1 = time.monotonic()
+        out = ray.get(self.rollouter.sync_weights.remote(str(target), version, next_step,
+                                                         self.consumed_samples))
+        self.counters["sync_time_s"] += time.monotonic() - t0
+        for old in (self.run_dir / "weights").glob("v*"):  # keep the last two exports
+            with contextlib.suppress(ValueError):
+                if int(old.name[1:]) < version - 1 and old != target:
+                    shutil.rmtree(old, ignore_errors=True)
+        out["async/weight_export_s"] = t1 - t0
+        return out
+
+    def _evaluate(self, ray: Any) -> dict[str, float]:
+        t0 = time.monotonic()
+        m = ray.get(self.rollouter.evaluate.remote(self.recipe.eval.n))
+        self.counters["eval_time_s"] += time.monotonic() - t0
+        self.last_eval = m
+        return m
+
+    # --- checkpoint ---------------------------------------------------------------------------
+    def _checkpoint(self, ray: Any) -> None:
+        """Trainer state + the weights the engines serve + pipeline state + buffered groups,
+        written to a temporary directory and moved into place (all or nothing)."""
+        rstate = ray.get(self.rollouter.state.remote())
+        snap = ray.get(self.buffer.snapshot.remote())
+        nxt = int(rstate["next_group_id"])
+        groups = [g for g in snap["groups"] if g["group_id"] < nxt]  # newer ones: regenerated
+        buffered = {g["group_id"] for g in groups}
+        rstate["regenerate"] = sorted(set(rstate["regenerate"]) - buffered)
+        final = self.run_dir / CHECKPOINT_DIR
+        tmp = self.run_dir / f".{CHECKPOINT_DIR}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ray.get(self.trainer.save.remote(str(tmp / "trainer")))
+        ray.get(self.trainer.export.remote(str(tmp / "hf")))
+        with (tmp / BUFFER_FILE).open("w") as f:
+            for g in groups:
+                f.write(json.dumps(g) + "\n")
+        state = {"step": self.step, "step_start_versions": self.step_start_versions,
+                 "consumed_samples": self.consumed_samples, "counters": self.counters,
+                 "rollouter": rstate, "init_dir": str(self.init_dir),
+                 "recipe_identity": _identity(self.recipe), "recipe_hash": recipe_hash(
+                     self.recipe), "total_steps": self.total_steps}
+        (tmp / RUNTIME_STATE).write_text(json.dumps(state))
+        move_into_place(tmp, final)
+
+    def _restore_counters(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.step_start_versions = [int(v) for v in state["step_start_versions"]]
+        self.consumed_samples = int(state["consumed_samples"])
+        self.counters.update({k: float(v) for k, v in state["counters"].items()})
+
+    def _shutdown(self) -> None:
+        """Stop the actors, the engine processes (by PID) and Ray if this run started it."""
+        try:
+            import ray
+            if ray.is_initialized():
+                with contextlib.suppress(Exception):
+                    if self._actors:
+                        ray.get(self.rollouter.stop.remote(), timeout=10)
+                for a in self._actors:
+                    with contextlib.suppress(Exception):
+                        ray.kill(a)
+                if self._started_ray:
+                    ray.shutdown()
+        finally:
+            for s in self.servers:
+                with contextlib.suppress(Exception):
+                    s.stop()
+            self.servers = []
+
+
+def _identity(recipe: Recipe) -> str:
+    """The recipe's hash with ``steps`` left out (a resumed run may be extended)."""
+    data = recipe.to_dict()
+    data["steps"] = 1
+    return recipe_hash(recipe_from_dict(data))
+
+
+def _read_buffer_file(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metric lines of steps before ``step`` (a resumed run recomputes the rest)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if int(row.get("step", 0)) < step or row.get("step/eval_only"):
+            keep.append(line)
+    path.write_text("".join(x + "\n" for x in keep))
+
+
+SUMMARY_KEYS = (
+    "rollout/reward_mean", "eval/reward_mean", "mismatch/log_ppl_abs_diff",
+    "mismatch/logprob_abs_diff_mean", "async/staleness/mean", "async/staleness/max",
+    "policy/entropy_mean", "policy/grad_norm", "rollout/response_length_mean",
+)
+
+
+def _summarise(metrics_path: Path, counters: Mapping[str, float], steps: int) -> dict[str, float]:
+    """Final figures: last values of the main metrics, max staleness over the run, counters."""
+    rows = []
+    if metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
+    out: dict[str, float] = {"steps": float(steps)}
+    for key in SUMMARY_KEYS:
+        vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        if vals:
+            out[key] = float(vals[-1])
+    st = [r["async/staleness/max"] for r in rows
+          if isinstance(r.get("async/staleness/max"), int | float)]
+    if st:
+        out["async/staleness/max_over_run"] = float(max(st))
+    ev = [r["eval/reward_mean"] for r in rows if isinstance(r.get("eval/reward_mean"), int | float)]
+    if ev:
+        out["eval/reward_first"] = float(ev[0])
+    for k, v in counters.items():
+        out[f"run/{k}"] = float(v)
+    wall = counters.get("wall_time_s", 0.0)
+    if wall:
+        out["run/trained_tokens_per_s"] = counters.get("trained_tokens", 0.0) / wall
+    return out
+
+
+def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | None = None,
+               resume: str | Path | None = None, ray_address: str | None = None,
+               sinks: Sequence[MetricsSink] = (), progress: ProgressFn | None = None,
+               checkpoint_every: int = 10) -> RunResult:
+    """Run ``recipe`` to the end (see the module docstring).
+
+    Args:
+        recipe: the validated recipe.
+        out: run directory (default ``$ASYNCRL_HOME/runs/<name>-<time>``); with ``resume`` the
+            resumed run directory is used.
+        steps: override ``recipe.steps`` (e.g. a short smoke run, or extending a resumed run).
+        resume: a run directory with a checkpoint to continue from.
+        ray_address: join this Ray cluster instead of starting a local one.
+        sinks: extra metric sinks (the JSONL sink in the run directory is always on).
+        progress: called after each trainer step with (steps done, total, metrics).
+        checkpoint_every: steps between checkpoints (0 = only at the end).
+    Raises:
+        RunError: a user-facing failure (bad checkpoint, engines that cannot start, a stalled
+            or failed rollouter, a resume that does not match).
+    """
+    if resume is not None:
+        run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise RunError(f"resume directory {run_dir} does not exist; pass a run directory "
+                           "written by asyncrl train")
+    elif out is not None:
+        run_dir = Path(out)
+    else:
+        from training.paths import state_dir
+        run_dir = state_dir() / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if steps is not None and steps < 1:
+        raise RunError(f"--steps must be >= 1, got {steps}")
+    if checkpoint_every < 0:
+        raise RunError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+    rt = Runtime(recipe, out=run_dir, steps=steps, resume=resume is not None,
+                 ray_address=ray_address, sinks=sinks, progress=progress,
+                 checkpoint_every=checkpoint_every)
+    return rt.run()
