@@ -309,5 +309,217 @@ def check_mismatch(
         console.print(f"  fix: {f.fix}")
 
 
+
+# ------------------------------------------------------------------------------------------------
+# asyncrl schema … / asyncrl train …
+# ------------------------------------------------------------------------------------------------
+schema_app = typer.Typer(help="JSON schemas of the YAML files asyncrl reads (for editors).",
+                         no_args_is_help=True)
+app.add_typer(schema_app, name="schema")
+
+
+@schema_app.command("recipe")
+def schema_recipe(
+    out: Path | None = typer.Option(None, "--out", help="Write the schema to this file instead "
+                                    "of printing it."),
+) -> None:
+    """The recipe JSON schema (every field, its bounds and description). Point an editor at it,
+    e.g. `# yaml-language-server: $schema=recipe.schema.json` at the top of a recipe."""
+    from training.recipe import recipe_json_schema
+
+    text = json.dumps(recipe_json_schema(), indent=2) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as e:
+        _fail(f"cannot write --out {out} ({e.strerror or e}); pass a writable file path")
+    typer.echo(f"wrote {out}")
+
+
+_SCI_FLOAT = r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+"
+
+
+def _parse_overrides(items: list[str]) -> dict[str, object]:
+    """``--set KEY=VALUE`` items → one nested override mapping for ``load_recipe``.
+
+    The value is YAML (``4``, ``true``, ``null``, ``[1, 2]``, ``{kind: compis}``), and ``1e-4`` is
+    a number, not YAML 1.1's string. Dotted keys are nested (``async.mode=sync`` →
+    ``{"async": {"mode": "sync"}}``) so that a changed variant tag (``async.mode``,
+    ``algorithm.correction.kind``) starts from the new variant whatever order the items come in,
+    instead of keeping the old variant's fields."""
+    import re
+
+    import yaml
+
+    overrides: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        parts = [p.strip() for p in key.split(".")]
+        if not sep or not all(parts):
+            _fail(f"--set {item!r} must look like KEY=VALUE (e.g. optim.lr=1e-4, "
+                  "async.mode=fully_async)")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            _fail(f"--set {item!r}: the value is not valid YAML "
+                  f"({getattr(e, 'problem', None) or 'syntax error'}); quote or fix it")
+        if isinstance(value, str) and re.fullmatch(_SCI_FLOAT, value.strip()):
+            value = float(value)
+        node = overrides
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return overrides
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "—" if value is None else str(value)
+
+
+@app.command("train")
+def train(
+    recipe_path: Path = typer.Argument(..., metavar="RECIPE.yaml",
+                                       help="Recipe file (see recipes/)."),
+    steps: int | None = typer.Option(None, "--steps", min=1,
+                                     help="Trainer steps (default: the recipe's `steps`)."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Run directory (default: $ASYNCRL_HOME/runs/<recipe "
+        "name>-<YYYYmmdd-HHMMSS>)."),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Continue the run in this directory from its last checkpoint."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="Join this Ray cluster (e.g. ray://host:10001) instead of "
+        "starting a local one."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=0,
+                                         help="Trainer steps between checkpoints (0 = only at "
+                                         "the end)."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a recipe field, KEY=VALUE with a dotted key and a YAML "
+        "value; repeatable: --set optim.lr=1e-4 --set async.mode=fully_async."),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Also print one metrics line per step and INFO logs."),
+) -> None:
+    """Train one recipe: warm start (cached), rollout engines, trainer, metrics, checkpoints.
+    Writes the run directory (recipe.yaml, metrics.jsonl, checkpoint/, final/hf/, summary.json)
+    and prints a summary. Ctrl-C stops at the current step; --resume continues it."""
+    import time
+
+    from training.recipe import RecipeError, load_recipe
+
+    overrides = _parse_overrides(set_)
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+    except RecipeError as e:
+        _fail(str(e))
+    if resume is not None:
+        if out is not None and out.resolve() != resume.resolve():
+            _fail("--out and --resume disagree: a resumed run continues in its own directory; "
+                  "drop --out")
+        run_dir = resume
+    elif out is not None:
+        run_dir = out
+    else:
+        from training.paths import state_dir
+
+        run_dir = state_dir() / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if resume is None:
+        _check_writable(run_dir)
+        if (run_dir / "recipe.yaml").exists():
+            _fail(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pass "
+                  "another --out")
+
+    import logging
+
+    from rich.console import Console
+    from rich.logging import RichHandler
+    from rich.markup import escape
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from training.engines.hf_io import CheckpointError
+    from training.runtime.run import RunError, run_recipe
+    from training.runtime.sinks import ConsoleSink
+
+    console = Console()
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(name)s: %(message)s",
+                        handlers=[RichHandler(console=console, show_path=False)])
+    total = steps if steps is not None else recipe.steps
+    console.print(f"recipe [bold]{escape(recipe.name)}[/] ({recipe.hash()}) · mode "
+                  f"{recipe.mode} · {total} steps · {'resuming ' if resume else ''}run dir "
+                  f"{escape(str(run_dir))}")
+    sinks = [ConsoleSink(every=1)] if verbose else []
+    shown = {"reward": "—", "logprob_diff": "—", "staleness": "—"}
+    keys = {"reward": "rollout/reward_mean", "logprob_diff": "mismatch/logprob_abs_diff/mean",
+            "staleness": "async/staleness/mean"}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("reward {task.fields[reward]}"),
+               TextColumn("|Δlogp| {task.fields[logprob_diff]}"),
+               TextColumn("staleness {task.fields[staleness]}"),
+               TimeElapsedColumn(), TextColumn("/"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("starting", total=total, **shown)
+        first = [True]
+
+        def on_step(step: int, total_steps: int, metrics: dict[str, float]) -> None:
+            for name, key in keys.items():
+                if key in metrics:
+                    shown[name] = _fmt(metrics[key])
+            if first[0] and step > 1:  # a resumed run: start the clock at its first step
+                bar.reset(task, total=total_steps, completed=step - 1)
+            first[0] = False
+            bar.update(task, description="training", completed=step, total=total_steps,
+                       **shown)
+
+        try:
+            result = run_recipe(recipe, out=None if resume else run_dir, steps=steps,
+                                resume=resume, ray_address=ray_address, sinks=sinks,
+                                progress=on_step, checkpoint_every=checkpoint_every)
+        except (RecipeError, RunError, CheckpointError) as e:
+            bar.stop()
+            _fail(str(e))
+        except KeyboardInterrupt:
+            bar.stop()
+            hint = (f"; resume with: asyncrl train {recipe_path} --resume {run_dir}"
+                    if (run_dir / "checkpoint").is_dir() else " before the first checkpoint")
+            typer.echo(f"interrupted{hint}", err=True)
+            raise typer.Exit(130) from None
+    _print_run_summary(console, result, total, recipe_path)
+    if result.interrupted:
+        raise typer.Exit(130)
+
+
+def _print_run_summary(console, result, total: int, recipe_path: Path) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    state = "interrupted" if result.interrupted else "finished"
+    table = Table("metric", "value", title=f"{state} after {result.steps_done}/{total} steps")
+    for key, value in result.summary.items():
+        table.add_row(escape(str(key)), _fmt(value))
+    console.print(table)
+    missing = "" if result.final_hf.exists() else " (not written)"
+    for label, path, note in (("run dir", result.run_dir, ""),
+                              ("final HF checkpoint", result.final_hf, missing),
+                              ("metrics JSONL", result.metrics_path, "")):
+        console.print(f"{label:<20} {escape(str(path))}{note}")
+    if result.interrupted:
+        console.print(f"resume with: asyncrl train {escape(str(recipe_path))} --resume "
+                      f"{escape(str(result.run_dir))}")
+
+
 if __name__ == "__main__":
     app()

@@ -500,9 +500,10 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 SUMMARY_KEYS = (
-    "rollout/reward_mean", "eval/reward_mean", "mismatch/log_ppl_abs_diff",
-    "mismatch/logprob_abs_diff_mean", "async/staleness/mean", "async/staleness/max",
-    "policy/entropy_mean", "policy/grad_norm", "rollout/response_length_mean",
+    "rollout/reward_mean", "eval/reward_mean", "mismatch/logprob_abs_diff/mean",
+    "mismatch/logprob_abs_diff/p99", "async/staleness/mean", "async/staleness/max",
+    "policy/entropy/mean", "policy/grad_norm", "rollout/response_length/mean",
+    "rollout/truncation_rate", "async/trainer_idle_ratio", "async/rollouter_idle_ratio",
 )
 
 

@@ -13,6 +13,8 @@ embedded backend:
   after the update (also per token, for partial rollouts spanning versions). Retained copies live
   under a byte budget; the oldest versions are evicted first; asking for an evicted version raises
   :class:`~training.engines.train.SnapshotUnavailableError` naming the retained versions.
+  :meth:`EmbeddedTrainEngine.compute_log_probs_with_weights` runs parameters that are no version at
+  all (the revised PPO-EWMA reference of seed 003) on the same frozen shadow model.
 * **R2 routes.** Every free-routing forward of an MoE model remembers the experts it chose, keyed by
   (token content, version), in a bounded FIFO cache; R2 replays them, or records them under the
   retained snapshot of ``r2_version`` when they are not cached.
@@ -37,7 +39,7 @@ import shutil
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -365,14 +367,19 @@ class EmbeddedTrainEngine:
         if version == self._version:
             return self.model
         weights = self._snapshots.get(version)
+        shadow = self._shadow_model()
+        if self._shadow_version != version:
+            with torch.no_grad():
+                for name, p in shadow.named_parameters():
+                    p.copy_(weights[name])
+            self._shadow_version = version
+        return shadow
+
+    def _shadow_model(self) -> CausalLM:
+        """The frozen second model that runs weights other than the live ones (built once)."""
         if self._shadow is None:
             self._shadow = _blank_model(self.model.config).to(self.device)
             self._shadow.requires_grad_(False)
-        if self._shadow_version != version:
-            with torch.no_grad():
-                for name, p in self._shadow.named_parameters():
-                    p.copy_(weights[name])
-            self._shadow_version = version
         return self._shadow
 
     # --- forward ------------------------------------------------------------------------------
@@ -525,6 +532,81 @@ class EmbeddedTrainEngine:
             routes=tuple(routes) if self.model.config.is_moe else None,
             weight_version=v,
         )
+
+    def compute_log_probs_with_weights(
+        self,
+        batch: TokenBatch,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        routing: str = "free",
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        r2_version: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> LogProbResult:
+        """Log-probs of ``batch`` under arbitrary parameters ``weights``, no gradient.
+
+        For references that are no trainer version, e.g. the revised PPO-EWMA average of seed 003
+        (§5.2). ``weights`` maps every name of ``model.named_parameters()`` to a tensor of the same
+        shape (a snapshot-style CPU dict). They are loaded into the shadow model; the live weights,
+        retained snapshots and R2 route cache are untouched, and routes chosen here are not
+        remembered (the weights have no version).
+
+        Args:
+            batch: B sequences.
+            weights: name → tensor, exactly the model's parameter names and shapes.
+            routing: ``free`` (the router of ``weights`` decides), ``r3`` (``batch.routes``) or
+                ``r2`` (the trainer's own routes under ``r2_version``, which is required).
+            temperature: sampling temperature of the rollout.
+            with_entropy: also return the per-token entropy.
+            r2_version: reference version of R2 routes.
+            micro_batch_size: rows per forward (None = all).
+        Returns:
+            :class:`LogProbResult` with (B, T) log-probs, ``weight_version=None``.
+        """
+        _check_temperature(temperature)
+        self._check_weights(weights)
+        if routing == "r2" and r2_version is None:
+            raise ValueError("routing='r2' with explicit weights needs r2_version (the version "
+                             "whose routes to replay): the weights themselves are no version")
+        # routes first: recording R2 routes may load a snapshot into the shadow model
+        replay = self._replay_for(batch, routing, -1, r2_version)
+        shadow = self._shadow_model()
+        with torch.no_grad():
+            for name, p in shadow.named_parameters():
+                p.copy_(weights[name])
+        self._shadow_version = None  # the shadow now holds no version
+        lps, ents, routes = [], [], []
+        with torch.no_grad():
+            for s in micro_batch_slices(batch.batch_size, micro_batch_size):
+                lp, ent, r = self._forward(shadow, batch.select(s),
+                                           None if replay is None else replay[s], temperature,
+                                           with_entropy)
+                lps.append(lp.cpu())
+                if ent is not None:
+                    ents.append(ent.cpu())
+                if r is not None:
+                    routes.extend(r)
+        t = batch.response_len
+        return LogProbResult(
+            log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
+            entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
+            routes=tuple(routes) if self.model.config.is_moe else None,
+            weight_version=None,
+        )
+
+    def _check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """ValueError unless ``weights`` has exactly the model's parameter names and shapes."""
+        params = dict(self.model.named_parameters())
+        missing, extra = set(params) - set(weights), set(weights) - set(params)
+        if missing or extra:
+            raise ValueError(f"weights do not match the model's parameters (missing "
+                             f"{sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}); pass a "
+                             "dict keyed like model.named_parameters()")
+        for name, p in params.items():
+            if tuple(weights[name].shape) != tuple(p.shape):
+                raise ValueError(f"weights[{name!r}] has shape {tuple(weights[name].shape)}, the "
+                                 f"model's parameter has {tuple(p.shape)}")
 
     def _log_probs_per_token_version(
         self, batch: TokenBatch, versions: torch.Tensor, routing: str, temperature: float,

@@ -1,0 +1,196 @@
+"""End-to-end runs of the async runtime: real Ray actors, real embedded rollout servers (HTTP), a
+real trainer — tiny model and few steps so each run takes seconds.
+
+What is checked is what each mode implies: staleness histograms (sync 0, one_step ≤ 1,
+fully_async within max_off_policy_steps), partial rollouts spanning a weight sync, exact counting
+(every consumed sample is trained on or counted as dropped), an engine killed mid-run, resume.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from training.engines.hf_io import load_hf_dir, read_meta
+from training.recipe import recipe_from_dict
+from training.runtime.run import RunError, Runtime, run_recipe, split_stale
+from training.runtime.sinks import read_metrics
+from training.runtime.types import Group, Sample
+
+N, PROMPTS = 4, 4
+B = N * PROMPTS
+
+
+@pytest.fixture(scope="module")
+def ray_session(tmp_path_factory):
+    """One local Ray for the module (FACTS.md: start Ray once, not per test)."""
+    import os
+
+    home = tmp_path_factory.mktemp("home")
+    old = os.environ.get("ASYNCRL_HOME")
+    os.environ["ASYNCRL_HOME"] = str(home)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("ASYNCRL_HOME", None)
+    else:
+        os.environ["ASYNCRL_HOME"] = old
+
+
+def tiny(mode: str, steps: int, **extra):
+    """A recipe on a tiny warm start (2 layers, d=32, 60 supervised steps: ~2 s, cached)."""
+    data = {
+        "name": f"test-{mode}", "steps": steps,
+        "model": {"kind": "warmstart", "warmstart_steps": 60, "hidden_size": 32,
+                  "num_layers": 2},
+        "rollout": {"n": N, "batch_prompts": PROMPTS, "max_response_tokens": 24},
+        "engines": {"num_rollout_engines": 2},
+        "async": {"mode": mode},
+        "eval": {"every": 0, "n": 8},
+        "algorithm": {"old_logprob": "snapshot", "correction": {"kind": "compis"}},
+    }
+    for key, value in extra.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe_from_dict(data)
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if not r.get("step/eval_only")]
+
+
+def check_counts(rows: list[dict]) -> None:
+    """Every consumed sample was trained on or dropped as too stale (nothing lost/doubled)."""
+    last = rows[-1]
+    assert last["async/consumed_samples"] == (last["async/trained_samples"]
+                                              + last["async/dropped_stale_samples"])
+
+
+def test_sync_mode_is_on_policy(ray_session, tmp_path):
+    res = run_recipe(tiny("sync", 3), out=tmp_path / "run")
+    rows = step_rows(res.run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["async/staleness/max"] == 0 for r in rows)
+    assert all(r["async/staleness/hist/0"] == B for r in rows)
+    assert [r["step/weight_version"] for r in rows] == [1, 2, 3]
+    check_counts(rows)
+    assert rows[-1]["async/trained_samples"] == 3 * B
+    # the final checkpoint is a loadable HF directory at the last version
+    assert read_meta(res.final_hf)["weight_version"] == 3
+    load_hf_dir(res.final_hf)
+    assert "eval/reward_mean" in rows[-1]
+    assert json.loads((res.run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_one_step_staleness_at_most_one(ray_session, tmp_path):
+    res = run_recipe(tiny("one_step", 4), out=tmp_path / "run")
+    rows = step_rows(res.run_dir)
+    assert rows[0]["async/staleness/max"] == 0  # batch 0 comes from the initial weights
+    assert all(r["async/staleness/max"] <= 1 for r in rows)
+    # after the first step every batch was generated while the previous one trained
+    assert all(r["async/staleness/min"] == 1 for r in rows[1:])
+    check_counts(rows)
+
+
+def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
+    recipe = tiny("fully_async", 8,
+                  **{"async": {"mode": "fully_async", "staleness_threshold": 1.0,
+                               "partial_rollout": True, "max_ahead_steps": 1,
+                               "max_off_policy_steps": 1}})
+    res = run_recipe(recipe, out=tmp_path / "run")
+    rows = step_rows(res.run_dir)
+    assert len(rows) == 8
+    assert all(r["async/staleness/max"] <= 1 for r in rows)  # older samples were dropped
+    check_counts(rows)
+    # partial rollouts: some samples' tokens came from two weight versions
+    assert sum(r["async/partial_ratio"] for r in rows) > 0
+    assert max(r["async/max_partial_span"] for r in rows) >= 1
+    assert rows[-1]["async/syncs"] == 8
+
+
+def test_split_stale_drops_exactly_the_too_old_samples():
+    def sample(gid, idx, versions):
+        return Sample(group_id=gid, sample_index=idx, prompt_id="p", prompt_ids=[1],
+                      response_ids=[5] * len(versions), rollout_log_probs=[-1.0] * len(versions),
+                      token_versions=versions, loss_mask=[1] * len(versions), reward=0.0)
+
+    # steps started from versions 0, 2, 4, 6 (two optimizer steps per trainer step); now step 3
+    starts = [0, 2, 4, 6]
+    g0 = Group(0, "p", None, "1", 0, [sample(0, 0, [0, 0]), sample(0, 1, [2, 4])])
+    g1 = Group(1, "p", None, "1", 0, [sample(1, 0, [1, 1])])  # version 1 ∈ step 0 → 3 behind
+    g2 = Group(2, "p", None, "1", 0, [sample(2, 0, [6]), sample(2, 1, [5, 6])])
+    kept, staleness, dropped = split_stale([g0, g1, g2], 3, starts, limit=1)
+    # g0: sample 0 is 3 behind (dropped), sample 1's oldest token v2 is step 1 → 2 behind
+    # (dropped); g1: 3 behind (dropped); g2: v6 → 0 behind, v5 → step 2 → 1 behind (kept)
+    assert dropped == 3
+    assert [g.group_id for g in kept] == [2]
+    assert staleness == [0, 1]
+    kept, staleness, dropped = split_stale(kept, 3, starts, limit=None)
+    assert dropped == 0 and staleness == [0, 1]
+
+
+def test_engine_killed_mid_run_loses_nothing(ray_session, tmp_path):
+    recipe = tiny("fully_async", 6,
+                  **{"async": {"mode": "fully_async", "staleness_threshold": 0.5}})
+    rt = Runtime(recipe, out=tmp_path / "run", steps=None, resume=False, ray_address=None,
+                 sinks=[], progress=None, checkpoint_every=0)
+    killed: list[int] = []
+
+    def kill_after_two(step, total, metrics):
+        if step == 2:
+            killed.append(rt.servers[0].pid)
+            rt.servers[0].kill()
+
+    rt.progress = kill_after_two
+    res = rt.run()
+    assert killed and res.steps_done == 6 and not res.interrupted
+    rows = step_rows(res.run_dir)
+    check_counts(rows)
+    assert rows[-1]["async/trained_samples"] == 6 * B
+    assert rows[-1]["async/engine_ejections"] >= 1
+    assert rows[-1]["async/engines_admitted"] == 1
+
+
+def test_resume_continues_without_double_counting(ray_session, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_recipe(tiny("one_step", 4), out=run_dir, steps=2)
+    assert first.steps_done == 2
+    assert (run_dir / "checkpoint" / "runtime.json").is_file()
+    buffered = (run_dir / "checkpoint" / "buffer.jsonl").read_text().splitlines()
+    regen = json.loads((run_dir / "checkpoint" / "runtime.json").read_text())["rollouter"][
+        "regenerate"]
+    # after the last sync one_step holds the next two batches (the one generated while step 1
+    # trained, and the one submitted at the sync): buffered (persisted) or in flight (regenerated)
+    assert len(buffered) + len(regen) == 2 * PROMPTS
+    assert not {json.loads(g)["group_id"] for g in buffered} & set(regen)
+    second = run_recipe(tiny("one_step", 4), resume=run_dir)
+    assert second.steps_done == 4
+    rows = step_rows(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step/weight_version"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["async/trained_samples"] == 4 * B
+    check_counts(rows)
+    assert all(r["async/staleness/max"] <= 1 for r in rows)
+    assert read_meta(second.final_hf)["weight_version"] == 4
+
+
+def test_resume_refuses_another_recipe(ray_session, tmp_path):
+    run_dir = tmp_path / "run"
+    run_recipe(tiny("sync", 1), out=run_dir)
+    other = tiny("sync", 2, optim={"lr": 1e-3})
+    with pytest.raises(RunError, match="recipe differs"):
+        run_recipe(other, resume=run_dir)
+    with pytest.raises(RunError, match="has no checkpoint"):
+        run_recipe(other, resume=tmp_path)
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path):
+    recipe = recipe_from_dict({"model": {"kind": "checkpoint", "path": str(tmp_path / "nope")}})
+    with pytest.raises(RunError) as err:
+        run_recipe(recipe, out=tmp_path / "run")
+    assert "model.path" in str(err.value) and "\n" not in str(err.value)

@@ -1,0 +1,242 @@
+import json
+
+import pytest
+import yaml
+
+from training.algorithms.policy_loss import POLICY_LOSSES
+from training.recipe import (
+    CompISCorrection,
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    load_recipe,
+    recipe_from_dict,
+    recipe_hash,
+    recipe_json_schema,
+)
+
+
+def _error(data) -> str:
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(data)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def _write(tmp_path, text: str, name: str = "r.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --- defaults ------------------------------------------------------------------------------------
+
+
+def test_defaults_are_valid(tmp_path):
+    r = Recipe()
+    assert r.mode == "sync" and not r.is_moe
+    assert r.samples_per_step == r.rollout.n * r.rollout.batch_prompts * r.async_.require_batches
+    assert recipe_from_dict({}) == r
+    assert load_recipe(_write(tmp_path, "# only a comment\n")) == r
+    assert r.to_dict()["async"]["mode"] == "sync"  # the YAML key is `async`, not `async_`
+
+
+# --- one-line errors that name the field ---------------------------------------------------
+
+
+def test_unknown_field():
+    msg = _error({"rollout": {"nn": 4}})
+    assert msg.startswith("recipe: rollout.nn: unknown field")
+    assert "asyncrl schema recipe" in msg
+    assert _error({"bogus": 1}).startswith("recipe: bogus: unknown field")
+
+
+def test_unknown_loss_lists_valid_names():
+    msg = _error({"algorithm": {"loss": {"name": "ppo2"}}})
+    assert "algorithm.loss.name" in msg and "'ppo2'" in msg
+    assert ", ".join(POLICY_LOSSES.names()) in msg
+
+
+def test_unknown_advantage_and_task_and_preset():
+    msg = _error({"algorithm": {"advantage": {"estimator": "x"}}})
+    assert "algorithm.advantage.estimator" in msg
+    assert "sum_digits" in _error({"task": {"name": "nope"}})
+    msg = _error({"algorithm": {"correction": {"kind": "preset", "name": "zzz"}}})
+    assert "algorithm.correction.name" in msg and "decoupled_token_is" in msg
+
+
+def test_negative_staleness_threshold():
+    msg = _error({"async": {"mode": "fully_async", "staleness_threshold": -0.5}})
+    assert msg.startswith("recipe: async.staleness_threshold:")  # no union tag in the path
+    assert "greater than or equal to 0" in msg
+
+
+def test_fully_async_knob_on_sync_mode():
+    msg = _error({"async": {"mode": "sync", "staleness_threshold": 0.5}})
+    assert "async.staleness_threshold: unknown field" in msg
+
+
+def test_bad_and_missing_discriminator():
+    msg = _error({"async": {"mode": "turbo"}})
+    assert "async" in msg and "'turbo'" in msg and "fully_async" in msg
+    msg = _error({"async": {"require_batches": 2}})
+    assert msg == "recipe: async: missing `mode`; add mode: one of sync, one_step, fully_async"
+    msg = _error({"algorithm": {"correction": {"staleness": {"method": "cap"}}}})
+    assert "algorithm.correction: missing `kind`" in msg and "compis" in msg
+
+
+def test_icepop_lower_above_upper():
+    msg = _error({"algorithm": {"correction": {
+        "kind": "compis", "engine": {"method": "icepop", "lower": 3.0, "upper": 1.0}}}})
+    assert msg == "recipe: algorithm.correction.engine: lower 3.0 > upper 1.0; swap them"
+
+
+def test_routing_replay_needs_moe():
+    msg = _error({"algorithm": {"routing_replay": "r3"}})
+    assert "algorithm.routing_replay=r3" in msg and "model.moe_experts" in msg
+    ok = recipe_from_dict({"model": {"kind": "warmstart", "moe_experts": 4},
+                           "algorithm": {"routing_replay": "r3"}})
+    assert ok.is_moe and ok.algorithm.routing_replay == "r3"
+
+
+def test_other_cross_field_rules():
+    msg = _error({"model": {"kind": "warmstart", "moe_experts": 2, "moe_top_k": 4}})
+    assert msg.startswith("recipe: model: moe_top_k=4 exceeds moe_experts=2")
+    assert "raise it" in _error({"data": {"max_in_flight": 4}})
+    assert "old_logprob: bypass" in _error(
+        {"algorithm": {"old_logprob": "bypass", "correction": {"kind": "compis"}}})
+    assert "model.path" in _error({"model": {"kind": "checkpoint"}})
+
+
+def test_many_errors_are_summarised_on_one_line():
+    msg = _error({"rollout": {"n": 0, "batch_prompts": 0, "temperature": 0, "top_p": 2}})
+    assert "rollout.n" in msg and msg.endswith("(+1 more)")
+
+
+def test_not_a_mapping():
+    assert "mapping of sections" in _error([1, 2])
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = _write(tmp_path, "name: x\nrollout:\n  n: [1, 2\nsteps: 3\n")
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    msg = str(info.value)
+    assert "\n" not in msg and str(path) in msg and "line 4" in msg and "not valid YAML" in msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml", {"optim.lr": 1e-3})
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = _write(tmp_path, "rollout:\n  n: -1\n")
+    with pytest.raises(RecipeError, match=r"r\.yaml: rollout\.n:"):
+        load_recipe(path)
+
+
+# --- overrides -----------------------------------------------------------------------------------
+
+
+def test_overrides_with_dotted_keys(tmp_path):
+    path = _write(tmp_path, "name: base\nrollout:\n  n: 8\n  temperature: 0.7\n")
+    r = load_recipe(path, {"optim.lr": 1e-4, "rollout.n": 4, "eval": {"every": 5}})
+    assert r.optim.lr == 1e-4 and r.rollout.n == 4
+    assert r.rollout.temperature == 0.7  # siblings of an overridden key stay
+    assert r.eval.every == 5 and r.eval.n == 64
+
+
+def test_overrides_do_not_mutate_their_input():
+    data = {"rollout": {"n": 8}}
+    out = apply_overrides(data, {"rollout.n": 2, "optim.lr": 0.01})
+    assert data == {"rollout": {"n": 8}}
+    assert out == {"rollout": {"n": 2}, "optim": {"lr": 0.01}}
+
+
+def test_override_switches_the_async_variant(tmp_path):
+    path = _write(tmp_path, "async:\n  mode: sync\n  require_batches: 2\n")
+    r = load_recipe(path, {"async": {"mode": "fully_async"}})
+    assert r.mode == "fully_async"
+    assert r.async_.staleness_threshold == 0.5 and r.async_.require_batches == 1  # new variant
+    r = load_recipe(path, {"async": {"mode": "fully_async", "staleness_threshold": 0.25}})
+    assert r.async_.staleness_threshold == 0.25
+    r = load_recipe(path, {"async.mode": "one_step"})  # dotted: only the tag changes
+    assert r.mode == "one_step" and r.async_.require_batches == 2
+
+    back = _write(tmp_path, "async:\n  mode: fully_async\n  staleness_threshold: 0.3\n", "fa.yaml")
+    r = load_recipe(back, {"async": {"mode": "sync"}})  # fully_async-only knobs are dropped
+    assert r.mode == "sync"
+
+
+def test_override_switches_the_correction_variant():
+    base = {"algorithm": {"correction": {"kind": "preset", "name": "decoupled_token_is"}}}
+    r = recipe_from_dict(apply_overrides(base, {"algorithm": {"correction": {"kind": "compis"}}}))
+    assert isinstance(r.algorithm.correction, CompISCorrection)
+    assert r.algorithm.correction.engine.method == "icepop"
+
+
+# --- hashing -------------------------------------------------------------------------------------
+
+
+def test_hash_ignores_labels_and_field_order(tmp_path):
+    a = _write(tmp_path, "name: a\ndescription: one\nsteps: 30\noptim:\n  lr: 0.001\n"
+               "  epochs: 2\n", "a.yaml")
+    b = _write(tmp_path, "optim:\n  epochs: 2\n  lr: 0.001\nsteps: 30\nname: b\n", "b.yaml")
+    ra, rb = load_recipe(a), load_recipe(b)
+    assert ra.name != rb.name and recipe_hash(ra) == recipe_hash(rb) == ra.hash()
+    assert len(ra.hash()) == 16 and int(ra.hash(), 16) >= 0
+    assert recipe_hash(load_recipe(a, {"optim.lr": 0.002})) != ra.hash()
+
+
+def test_hash_counts_defaults_the_same_as_explicit_values():
+    assert recipe_from_dict({"rollout": {"n": 8}}).hash() == Recipe().hash()
+    assert recipe_from_dict({"rollout": {"n": 4}}).hash() != Recipe().hash()
+
+
+def test_hash_is_stable_across_processes():
+    import subprocess
+    import sys
+
+    code = "from training.recipe import Recipe; print(Recipe().hash())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == Recipe().hash()
+
+
+def test_yaml_round_trip(tmp_path):
+    r = recipe_from_dict({"name": "x", "model": {"kind": "warmstart", "moe_experts": 4},
+                          "async": {"mode": "fully_async", "max_ahead_steps": 2},
+                          "algorithm": {"routing_replay": "r2", "correction": {"kind": "compis"},
+                                        "m2po": {"threshold": 0.05}},
+                          "task": {"difficulty_weights": {1: 3.0, 8: 1.0}}})
+    assert yaml.safe_load(r.to_yaml())["async"]["mode"] == "fully_async"
+    again = load_recipe(_write(tmp_path, r.to_yaml()))
+    assert again == r and again.hash() == r.hash()
+
+
+# --- JSON schema ---------------------------------------------------------------------------------
+
+
+def _objects(schema):
+    yield "Recipe", schema
+    yield from schema.get("$defs", {}).items()
+
+
+def test_json_schema_is_valid_json_with_every_section():
+    schema = json.loads(json.dumps(recipe_json_schema()))
+    assert schema["type"] == "object"
+    for section in ("model", "engines", "task", "rollout", "async", "data", "algorithm", "optim",
+                    "eval", "steps", "seed"):
+        assert section in schema["properties"], section
+    assert "async_" not in schema["properties"]
+    assert schema["properties"]["async"]["discriminator"]["propertyName"] == "mode"
+
+
+def test_every_field_has_a_description():
+    missing = [f"{name}.{field}" for name, obj in _objects(recipe_json_schema())
+               for field, prop in obj.get("properties", {}).items()
+               if not prop.get("description")]
+    assert missing == []

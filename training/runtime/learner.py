@@ -1,0 +1,764 @@
+"""The learner: one trainer (global) step of the RL algorithm over a list of completed groups.
+
+:class:`Learner` turns the groups the rollouter delivered into optimizer steps on a
+:class:`~training.engines.train.TrainEngine`. No Ray, no I/O (except loading the KL reference
+model once). One :meth:`Learner.step`:
+
+1. **Rejects bad data** (seed 000 stage 1: never train on garbage): a non-finite reward, a
+   non-finite rollout log-prob on a loss token, missing R3 routes, or trainer log-probs that come
+   back non-finite → ``trained=False`` with a one-line reason, ``async/rejected_batch = 1``, a
+   WARNING on the ``asyncrl.runtime`` logger, and the engine's weights and version untouched.
+2. **Packs** the samples (group order kept) into a :class:`~training.engines.train.TokenBatch`
+   and (B, T) tensors: μ (rollout log-probs), per-token weight versions (long; padded with the
+   sample's last version), and the rewards.
+3. **π_current**: the trainer's log-probs at the weights the step starts from (routing ``r3`` for
+   R3, else free; for R2 this free forward records the routes that later mini-batches replay).
+4. **π_prox and π_old** by ``algorithm.old_logprob`` (seed 003; seed 001's notation):
+
+   ==========  ======================================  =======================================
+   strategy    π_prox (trust-region centre)            π_old (trainer at the behaviour version)
+   ==========  ======================================  =======================================
+   recompute   π_current                               π_current (staleness + engine mismatch
+                                                       land in one ratio: the missing-old-logit
+                                                       case)
+   snapshot    π_current                               exact: each token under the retained
+                                                       version that produced it; tokens of an
+                                                       evicted version fall back to π_current
+                                                       (``old/snapshot_fallback_frac``)
+   ewma        π_current                               the revised PPO-EWMA reference: an EWMA
+                                                       of the *parameters*, β = W/(W+2), reset
+                                                       by interval or by the engine-mask rate
+   loglinear   A-3PO: log μ + α (log π_current −      μ (so r2 ≡ 1 and r3 = π_prox/μ is the
+               log μ), α = (v_θ−1−v_b)/(v_θ−v_b)      decoupled behaviour weight)
+   bypass      μ                                       μ
+   ==========  ======================================  =======================================
+
+   A bypass rollout-correction preset forces the bypass strategy (π_prox = π_old = μ).
+5. **Rewards**: the scalar reward sits on the last loss token of the response; with
+   ``kl.mode: in_reward`` the token reward loses β·KL(π_old ‖ π_ref) per token (fixed β, or the
+   adaptive controller when ``kl.target`` is set).
+6. **Advantages** by the recipe's estimator, grouped by ``group_id``.
+7. **Correction** by ``algorithm.correction``: ``none``; ``compis`` (r3 = π_prox/π_old and
+   r2 = π_old/μ, each with its own method); ``preset`` (seed 001's table: decoupled presets give
+   IS weights / an RS mask from π_old vs μ; bypass presets switch the loss to ``bypass_mode`` with
+   the preset's config, which computes IS/RS between π_θ and μ itself); ``decoupled`` (AReaL's
+   behaviour weight π_prox/μ, capped). M2PO and OPSM then restrict the kept tokens further.
+8. **Trains**: for each epoch, one ``train_step`` per mini-batch of consecutive groups
+   (``async.require_batches`` mini-batches; the last takes the remainder), with
+   ``old_log_prob = π_prox``; R2 replays the routes of the step's start version.
+9. **Metrics**: one flat dict of floats (DESIGN.md "Metrics"), see :meth:`Learner.step`.
+10. **EWMA** (``ewma`` only): the reference is updated with the new parameters.
+
+Definitions used in the metrics:
+
+* ``rollout/repetition_rate``: the fraction of responses in which some 4-gram of consecutive
+  response token ids occurs at least twice (occurrences may overlap; every response token counts,
+  whatever its loss mask).
+* ``async/partial_samples``: samples whose tokens came from more than one weight version.
+* ``async/batch_tokens``: real tokens of the batch, Σ (prompt + response).
+* ``kl/value``: the batch mean over sequences of the per-sequence token mean of the KL estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.algorithms.advantages import AdvantageConfig, compute_advantage
+from training.algorithms.diagnostics import compute_mismatch_metrics
+from training.algorithms.is_correction import (
+    CompISConfig,
+    EWMAConfig,
+    EWMAState,
+    SourceCorrection,
+    compute_compis_weights,
+    compute_is_correction,
+    ewma_update,
+    loglinear_proximal_log_prob,
+)
+from training.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from training.algorithms.masked import masked_mean, sanitize, tail_stats
+from training.algorithms.masking import m2po_mask, opsm_mask
+from training.algorithms.policy_loss import PolicyLossConfig
+from training.algorithms.rollout_correction import (
+    PRESETS,
+    RolloutCorrectionConfig,
+    compute_rollout_correction_and_rejection_mask,
+)
+from training.engines.train import OptimConfig, SnapshotUnavailableError, TokenBatch, TrainEngine
+from training.recipe import Recipe
+from training.runtime.types import Group, Sample
+
+__all__ = [
+    "Learner",
+    "StepResult",
+    "engine_optim_config",
+    "ewma_staleness_window",
+    "repetition_rate",
+]
+
+log = logging.getLogger("asyncrl.runtime")
+
+REPETITION_NGRAM = 4
+_MAX_LISTED = 4  # offending samples named in a rejection reason
+
+
+# ------------------------------------------------------------------------------------------------
+# Results and small helpers
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """Outcome of :meth:`Learner.step`.
+
+    trained: True when at least one optimizer step was applied.
+    rejected_reason: one line saying why nothing was trained (None when trained).
+    metrics: flat dict of floats (DESIGN.md namespaces).
+    weight_version: the engine's version after the step.
+    debug: the step's (B, T) tensors when the learner keeps them (``keep_tensors=True``): keys
+        ``rollout_log_prob`` (μ), ``current_log_prob``, ``proximal_log_prob``, ``old_log_prob``,
+        ``token_versions``, ``response_mask`` (loss mask), ``keep_mask`` (trained tokens),
+        ``token_level_rewards``, ``advantages``, ``entropy``, and when they exist
+        ``is_weights``, ``ref_log_prob``, ``loglinear_alpha``, ``snapshot_fallback_mask``.
+    """
+
+    trained: bool
+    rejected_reason: str | None
+    metrics: dict[str, float]
+    weight_version: int
+    debug: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """The step's samples as tensors (B sequences, T response width)."""
+
+    batch: TokenBatch
+    samples: list[Sample]
+    rollout_log_prob: torch.Tensor  # (B, T) μ, 0 outside the loss mask
+    token_versions: torch.Tensor  # (B, T) long, padded with each sample's last version
+    rewards: torch.Tensor  # (B,) float
+    group_index: list[int]  # (B,) group ids
+    minibatch_rows: list[slice]  # consecutive rows of each mini-batch
+
+
+@dataclass
+class _Policies:
+    """Log-probs of the step, (B, T) each."""
+
+    current: torch.Tensor
+    entropy: torch.Tensor
+    proximal: torch.Tensor
+    old: torch.Tensor
+    extra: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+
+
+@dataclass
+class _Correction:
+    """IS weights (or None), kept tokens, loss choice and metrics."""
+
+    weights: torch.Tensor | None
+    keep: torch.Tensor
+    loss_name: str
+    loss_config: PolicyLossConfig
+    metrics: dict[str, float]
+
+
+def ewma_staleness_window(recipe: Recipe) -> float:
+    """Expected staleness W of the revised PPO-EWMA reference, in trainer steps.
+
+    ``algorithm.ewma.staleness_window`` when set; else from the async mode: sync 0, one_step 1,
+    fully_async (1 + staleness_threshold) · trigger_parameter_sync_step.
+    """
+    explicit = recipe.algorithm.ewma.staleness_window
+    if explicit is not None:
+        return float(explicit)
+    mode = recipe.async_
+    if mode.mode == "sync":
+        return 0.0
+    if mode.mode == "one_step":
+        return 1.0
+    return (1.0 + mode.staleness_threshold) * mode.trigger_parameter_sync_step
+
+
+def engine_optim_config(recipe: Recipe) -> OptimConfig:
+    """The engine :class:`OptimConfig` a recipe's ``optim`` section asks for (cosine decays over
+    every optimizer step of the run: steps × require_batches × epochs)."""
+    o = recipe.optim
+    total = recipe.steps * recipe.async_.require_batches * o.epochs
+    return OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+                       lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
+                       total_steps=total if o.lr_schedule == "cosine" else None)
+
+
+def repetition_rate(responses: Sequence[Sequence[int]], n: int = REPETITION_NGRAM) -> float:
+    """Fraction of responses containing some n-gram of token ids at least twice (0 if none)."""
+    if not responses:
+        return 0.0
+    hits = 0
+    for ids in responses:
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(ids) - n + 1):
+            gram = tuple(ids[i : i + n])
+            if gram in seen:
+                hits += 1
+                break
+            seen.add(gram)
+    return hits / len(responses)
+
+
+def _where(samples: Sequence[Sample]) -> str:
+    names = [f"group {s.group_id} sample {s.sample_index}" for s in samples[:_MAX_LISTED]]
+    if len(samples) > _MAX_LISTED:
+        names.append("...")
+    return ", ".join(names)
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _bad_sample_reason(samples: Sequence[Sample], need_routes: bool) -> str | None:
+    """One-line reason naming the samples that must not be trained on, or None."""
+    parts = []
+    bad_reward = [s for s in samples if not math.isfinite(s.reward)]
+    if bad_reward:
+        parts.append(f"{_count(len(bad_reward), 'sample')} with NaN/inf reward "
+                     f"({_where(bad_reward)})")
+    bad_lp = [s for s in samples if math.isfinite(s.reward) and not s.finite()]
+    if bad_lp:
+        parts.append(f"{_count(len(bad_lp), 'sample')} with NaN/inf rollout log-probs on loss "
+                     f"tokens ({_where(bad_lp)})")
+    if need_routes:
+        no_routes = [s for s in samples if s.routes is None]
+        if no_routes:
+            parts.append(f"{_count(len(no_routes), 'sample')} without rollout routes for R3 "
+                         f"({_where(no_routes)})")
+    return "; ".join(parts) if parts else None
+
+
+def _nonfinite_reason(named: Mapping[str, torch.Tensor], mask: torch.Tensor,
+                      samples: Sequence[Sample]) -> str | None:
+    """Reason when a trainer-side (B, T) log-prob tensor is NaN/inf on a loss token, else None."""
+    for name, values in named.items():
+        bad = mask & ~torch.isfinite(values)
+        if bool(bad.any()):
+            rows = bad.any(dim=1).nonzero().reshape(-1).tolist()
+            return (f"trainer {name} log-probs are NaN/inf on {int(bad.sum())} loss tokens of "
+                    f"{_count(len(rows), 'sample')} ({_where([samples[i] for i in rows])})")
+    return None
+
+
+def _minibatch_groups(n_groups: int, n_minibatches: int) -> list[range]:
+    """Consecutive group ranges; the last mini-batch takes the remainder."""
+    if n_groups < n_minibatches:
+        raise ValueError(f"{n_groups} groups cannot fill async.require_batches={n_minibatches} "
+                         "mini-batches; pass at least one group per mini-batch")
+    size = n_groups // n_minibatches
+    bounds = [i * size for i in range(n_minibatches)] + [n_groups]
+    return [range(bounds[i], bounds[i + 1]) for i in range(n_minibatches)]
+
+
+def _mean_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Combine per-optimizer-step metrics: ``*/max`` → max, ``*/min`` → min, counters that are
+    states (``train/weight_version``, ``train/step``, ``train/lr``) → last, else the mean."""
+    last_keys = {"train/weight_version", "train/step", "train/lr"}
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in steps for k in m):
+        values = [float(m[key]) for m in steps if key in m]
+        if key in last_keys:
+            out[key] = values[-1]
+        elif key.endswith("/max"):
+            out[key] = max(values)
+        elif key.endswith("/min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Learner
+# ------------------------------------------------------------------------------------------------
+
+
+class Learner:
+    """One trainer step of the recipe's RL algorithm on a :class:`TrainEngine`.
+
+    Args:
+        engine: the trainer (the ``ewma`` strategy needs an engine with ``model`` and
+            ``compute_log_probs_with_weights``, e.g. the embedded one).
+        recipe: the validated recipe (reads ``algorithm``, ``optim``, ``rollout.temperature``,
+            ``async``).
+        reference_dir: the initial HF checkpoint, loaded as the frozen KL reference when
+            ``algorithm.kl.mode == "in_reward"`` (required then, ignored otherwise).
+        pad_token_id: padding id of the packed batches.
+        keep_tensors: fill :attr:`StepResult.debug` with the step's tensors (tests, debugging).
+    """
+
+    def __init__(self, engine: TrainEngine, recipe: Recipe, *,
+                 reference_dir: str | Path | None = None, pad_token_id: int = 0,
+                 keep_tensors: bool = False) -> None:
+        self.engine = engine
+        self.recipe = recipe
+        self.pad_token_id = int(pad_token_id)
+        self.keep_tensors = bool(keep_tensors)
+        alg = recipe.algorithm
+        self._preset: RolloutCorrectionConfig | None = (
+            PRESETS[alg.correction.name]() if alg.correction.kind == "preset" else None)
+        self.bypass_preset = self._preset is not None and self._preset.bypass_mode
+        self.old_strategy = "bypass" if self.bypass_preset else alg.old_logprob
+        if alg.loss.name == "bypass_mode" and not self.bypass_preset:
+            raise ValueError("algorithm.loss.name=bypass_mode takes its IS/RS settings from a "
+                             "bypass rollout-correction preset: set algorithm.correction to "
+                             "{kind: preset, name: bypass_ppo_clip} (or another bypass_* preset)")
+        self._kl_ctrl: FixedKLController | AdaptiveKLController | None = None
+        self._reference: TrainEngine | None = None
+        if alg.kl.mode == "in_reward":
+            self._kl_ctrl = (FixedKLController(alg.kl.coef) if alg.kl.target is None else
+                             AdaptiveKLController(alg.kl.coef, alg.kl.target, alg.kl.horizon))
+            self._reference = self._load_reference(reference_dir)
+        self.ewma_config: EWMAConfig | None = None
+        self.ewma_state: EWMAState | None = None
+        self.ewma_resets = 0
+        if self.old_strategy == "ewma":
+            self._init_ewma()
+
+    # --- set-up ---------------------------------------------------------------------------------
+    @staticmethod
+    def _load_reference(reference_dir: str | Path | None) -> TrainEngine:
+        """The frozen fp32 reference policy of the KL penalty (the run's initial weights)."""
+        if reference_dir is None:
+            raise ValueError("algorithm.kl.mode=in_reward needs the reference model: pass "
+                             "reference_dir= (the run's initial HF checkpoint) or set "
+                             "kl.mode: none")
+        from training.engines.embedded.trainer import EmbeddedTrainEngine
+        from training.engines.hf_io import load_hf_dir
+
+        loaded = load_hf_dir(reference_dir, dtype=torch.float32)
+        loaded.model.requires_grad_(False)
+        return EmbeddedTrainEngine(loaded.model, loaded.tokenizer,
+                                   weight_version=loaded.weight_version, snapshot_budget_bytes=0)
+
+    def _init_ewma(self) -> None:
+        if not (hasattr(self.engine, "model")
+                and hasattr(self.engine, "compute_log_probs_with_weights")):
+            raise ValueError("old_logprob: ewma needs an engine that exposes its parameters and "
+                             "compute_log_probs_with_weights (the embedded train engine); use "
+                             "snapshot or recompute with this backend")
+        ewma = self.recipe.algorithm.ewma
+        self.ewma_config = EWMAConfig(staleness_window=ewma_staleness_window(self.recipe),
+                                      reset_interval=ewma.reset_interval,
+                                      reset_mask_frac=ewma.reset_mask_frac)
+        self.ewma_state, _ = ewma_update(None, self._engine_params(), self.ewma_config)
+
+    def _engine_params(self) -> dict[str, torch.Tensor]:
+        model = self.engine.model  # type: ignore[attr-defined]
+        return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+    # --- routing ----------------------------------------------------------------------------------
+    @property
+    def _replay(self) -> str:
+        return self.recipe.algorithm.routing_replay
+
+    @property
+    def _forward_routing(self) -> str:
+        """Routing of the no-grad forwards: rollout routes for R3, the router's own otherwise."""
+        return "r3" if self._replay == "r3" else "free"
+
+    @property
+    def _train_routing(self) -> str:
+        return {"r3": "r3", "r2": "r2"}.get(self._replay, "free")
+
+    def _is_moe(self) -> bool:
+        cfg = getattr(self.engine, "config", None)
+        return bool(getattr(cfg, "is_moe", self.recipe.is_moe))
+
+    # --- the step -----------------------------------------------------------------------------
+    def step(self, groups: list[Group], step: int, *,
+             version_to_step: Callable[[int], int] | None = None) -> StepResult:
+        """Train on ``groups`` (ordered); see the module docstring for the algorithm.
+
+        Args:
+            groups: completed groups, in the order the runtime drained them; split into
+                ``async.require_batches`` mini-batches of consecutive groups.
+            step: the trainer (global) step number (log messages; the token-lag metric).
+            version_to_step: maps a weight version to the trainer step that produced it; when
+                given, ``old/token_lag_steps/{mean,p50,p90,p99,max}`` = step − that step over the
+                loss tokens.
+        Returns:
+            :class:`StepResult`. Metric families: ``mismatch/*`` (π_old — π_current for
+            bypass/loglinear — vs μ), ``policy/entropy/*``, ``is/*`` | ``rollout_corr/*``,
+            ``rs/*``, ``policy/*`` and ``train/*`` (averaged over optimizer steps;
+            ``policy/grad_norm`` and ``policy/grad_norm_max``, ``policy/lr``,
+            ``policy/approx_kl``), ``old/*``, ``kl/value``, ``kl/coef``, ``rollout/*``
+            (reward mean/std, logprob mean, response length tails, truncation, zero-variance
+            groups, repetition, reward by difficulty), ``async/partial_samples``,
+            ``async/batch_samples``, ``async/batch_tokens``, ``async/rejected_batch``,
+            ``moe/replay_mode`` (MoE only), ``step/weight_version``.
+        Raises:
+            ValueError: fewer groups than mini-batches.
+        """
+        row_groups = _minibatch_groups(len(groups), self.recipe.async_.require_batches)
+        samples = [s for g in groups for s in g.samples]
+        reason = _bad_sample_reason(samples, need_routes=self._replay == "r3")
+        if reason is not None:
+            return self._reject(reason, samples, step)
+        packed = self._pack(groups, row_groups)
+        start_version = self.engine.weight_version
+        policies = self._policies(packed)
+        ref = self._reference_log_probs(packed)
+        trainer_lps = {"current": policies.current, "old": policies.old,
+                       **({} if ref is None else {"reference": ref})}
+        reason = _nonfinite_reason(trainer_lps, packed.batch.response_mask, samples)
+        if reason is not None:
+            return self._reject(reason, samples, step)
+
+        metrics: dict[str, float] = {"async/rejected_batch": 0.0}
+        rewards, kl_metrics = self._token_rewards(packed, policies.old, ref)
+        metrics.update(kl_metrics)
+        mask = packed.batch.response_mask
+        est = self.recipe.algorithm.advantage
+        advantages, _, adv_metrics = compute_advantage(
+            est.estimator, rewards, mask, index=packed.group_index,
+            config=AdvantageConfig(norm_adv_by_std_in_grpo=est.norm_by_std, gamma=est.gamma,
+                                   lam=est.lam))
+        correction = self._correct(packed, policies, advantages)
+        train_metrics = self._train(packed, policies.proximal, advantages, correction,
+                                    start_version)
+        trained = train_metrics.get("train/skipped_step", 0.0) < 1.0
+        if self.ewma_state is not None and trained:
+            metrics.update(self._update_ewma(correction.metrics))
+        elif self.ewma_state is not None:
+            metrics.update(self._ewma_metrics())
+
+        metrics.update(self._diagnostics(packed, policies))
+        metrics.update(policies.metrics)
+        metrics.update(adv_metrics)
+        metrics.update(correction.metrics)
+        metrics.update(train_metrics)
+        metrics.update(self._rollout_metrics(packed))
+        if version_to_step is not None:
+            metrics.update(self._lag_metrics(packed, step, version_to_step))
+        metrics["step/weight_version"] = float(self.engine.weight_version)
+        debug = self._debug(packed, policies, rewards, advantages, correction, ref)
+        if not trained:
+            reason = (f"step {step}: every optimizer step was skipped (non-finite loss or "
+                      "gradient norm); the weights are unchanged")
+            log.warning(reason)
+            return StepResult(False, reason, metrics, self.engine.weight_version, debug)
+        return StepResult(True, None, metrics, self.engine.weight_version, debug)
+
+    def _reject(self, reason: str, samples: Sequence[Sample], step: int) -> StepResult:
+        log.warning("step %d: batch rejected, nothing trained: %s", step, reason)
+        metrics = {"async/rejected_batch": 1.0, "async/batch_samples": float(len(samples)),
+                   "step/weight_version": float(self.engine.weight_version)}
+        return StepResult(False, reason, metrics, self.engine.weight_version, None)
+
+    # --- packing ------------------------------------------------------------------------------
+    def _pack(self, groups: Sequence[Group], row_groups: Sequence[range]) -> _Packed:
+        """Samples → TokenBatch and (B, T) tensors; mini-batch row slices from group ranges."""
+        samples = [s for g in groups for s in g.samples]
+        loss_masks = [[int(m) for m in s.loss_mask] for s in samples]
+        batch = TokenBatch.from_sequences(
+            [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+            pad_token_id=self.pad_token_id, loss_masks=loss_masks,
+            routes=[s.routes for s in samples] if self._replay == "r3" else None)
+        shape = (batch.batch_size, batch.response_len)
+        mu = torch.zeros(shape)
+        versions = torch.zeros(shape, dtype=torch.long)
+        for i, s in enumerate(samples):
+            o = s.response_len
+            mu[i, :o] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+            last = s.token_versions[-1] if s.token_versions else 0
+            versions[i, :] = last
+            versions[i, :o] = torch.tensor(s.token_versions, dtype=torch.long)
+        starts = [0]
+        for g in groups:
+            starts.append(starts[-1] + g.n)
+        rows = [slice(starts[r.start], starts[r.stop]) for r in row_groups]
+        return _Packed(batch=batch, samples=samples,
+                       rollout_log_prob=sanitize(mu, batch.response_mask),
+                       token_versions=versions,
+                       rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+                       group_index=[s.group_id for s in samples], minibatch_rows=rows)
+
+    # --- π_current, π_prox, π_old ---------------------------------------------------------------
+    def _policies(self, packed: _Packed) -> _Policies:
+        """π_current (one forward at the step's start weights), then π_prox / π_old."""
+        res = self.engine.compute_log_probs(
+            packed.batch, routing=self._forward_routing,
+            temperature=self.recipe.rollout.temperature, with_entropy=True)
+        current = res.log_probs
+        entropy = res.entropy if res.entropy is not None else torch.zeros_like(current)
+        mu = packed.rollout_log_prob
+        strategy = self.old_strategy
+        if strategy == "bypass":
+            return _Policies(current, entropy, mu, mu, {}, {})
+        if strategy == "loglinear":
+            prox, alpha = loglinear_proximal_log_prob(
+                mu, current, packed.token_versions, self.engine.weight_version,
+                packed.batch.response_mask)
+            metrics = {"old/loglinear_alpha_mean":
+                       float(masked_mean(alpha, packed.batch.response_mask))}
+            return _Policies(current, entropy, prox, mu, {"loglinear_alpha": alpha}, metrics)
+        if strategy == "snapshot":
+            old, fallback, metrics = self._snapshot_old(packed, current)
+            return _Policies(current, entropy, current, old,
+                             {"snapshot_fallback_mask": fallback}, metrics)
+        if strategy == "ewma":
+            return _Policies(current, entropy, current, self._ewma_old(packed), {}, {})
+        return _Policies(current, entropy, current, current, {}, {})  # recompute
+
+    def _snapshot_old(self, packed: _Packed, current: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Exact π_old: each loss token under the version that produced it (seed 003 snapshots).
+
+        Tokens of the current version take π_current (same weights). Tokens whose version the
+        engine no longer retains fall back to π_current. Returns (π_old (B, T), fallback mask
+        (B, T), ``old/snapshot_fallback_frac`` = fallback tokens / loss tokens).
+        """
+        mask = packed.batch.response_mask
+        versions = packed.token_versions
+        now = self.engine.weight_version
+        stale = mask & (versions != now)
+        retained = torch.tensor(sorted(self.engine.snapshot_versions()), dtype=torch.long)
+        missing = stale & ~torch.isin(versions, retained)
+        ask = stale & ~missing
+        old = current.clone()
+        if bool(ask.any()):
+            rows = ask.any(dim=1).nonzero().reshape(-1)
+            # tokens not asked for get an asked version: their values are discarded
+            filler = int(versions[ask][0])
+            sub_versions = torch.where(ask[rows], versions[rows], torch.full_like(versions[rows],
+                                                                                 filler))
+            try:
+                res = self.engine.compute_log_probs(
+                    packed.batch.select(rows), routing=self._forward_routing,
+                    version=sub_versions, temperature=self.recipe.rollout.temperature,
+                    with_entropy=False)
+                old[rows] = torch.where(ask[rows], res.log_probs, old[rows])
+            except SnapshotUnavailableError as e:
+                log.warning("snapshot old log-probs unavailable (%s); using the current weights",
+                            e)
+                missing = stale
+        n_missing = int(missing.sum())
+        frac = n_missing / max(int(mask.sum()), 1)
+        if n_missing:
+            gone = sorted(set(versions[missing].tolist()))
+            log.warning("old_logprob snapshot: versions %s are not retained by the trainer; %d "
+                        "loss tokens (%.1f%%) fall back to the current weights (raise "
+                        "engines.snapshot_budget_mb)", gone, n_missing, 100 * frac)
+        return old, missing, {"old/snapshot_fallback_frac": frac}
+
+    def _ewma_old(self, packed: _Packed) -> torch.Tensor:
+        """π_old under the EWMA parameters (revised PPO-EWMA, seed 003 §5.2)."""
+        assert self.ewma_state is not None
+        res = self.engine.compute_log_probs_with_weights(  # type: ignore[attr-defined]
+            packed.batch, self.ewma_state.reference, routing=self._forward_routing,
+            temperature=self.recipe.rollout.temperature, with_entropy=False)
+        return res.log_probs
+
+    def _update_ewma(self, correction_metrics: Mapping[str, float]) -> dict[str, float]:
+        """ref ← β·ref + (1−β)·θ_new, or a reset (by interval, or by the engine-mask rate)."""
+        assert self.ewma_config is not None
+        mask_frac = next((correction_metrics[k] for k in (
+            "is/engine/mask_frac", "rollout_corr/rollout_rs_masked_fraction",
+            "rollout_corr/rollout_is_oob_ratio") if k in correction_metrics), None)
+        self.ewma_state, reset = ewma_update(self.ewma_state, self._engine_params(),
+                                             self.ewma_config, mask_frac=mask_frac)
+        self.ewma_resets += int(reset)
+        return self._ewma_metrics()
+
+    def _ewma_metrics(self) -> dict[str, float]:
+        assert self.ewma_config is not None and self.ewma_state is not None
+        return {"old/ewma_beta": self.ewma_config.beta,
+                "old/ewma_resets": float(self.ewma_resets),
+                "old/ewma_updates_since_reset": float(self.ewma_state.updates_since_reset)}
+
+    # --- rewards, KL ----------------------------------------------------------------------------
+    def _reference_log_probs(self, packed: _Packed) -> torch.Tensor | None:
+        if self._reference is None:
+            return None
+        ref_moe = bool(getattr(getattr(self._reference, "config", None), "is_moe", False))
+        return self._reference.compute_log_probs(
+            packed.batch, routing=self._forward_routing if ref_moe else "free",
+            temperature=self.recipe.rollout.temperature, with_entropy=False).log_probs
+
+    def _token_rewards(self, packed: _Packed, old: torch.Tensor, ref: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(B, T) token rewards: the reward on the last loss token, minus β·KL when in_reward."""
+        mask = packed.batch.response_mask
+        rewards = torch.zeros(mask.shape)
+        positions = torch.arange(mask.shape[1]).expand_as(mask)
+        last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+        rows = (last >= 0).nonzero().reshape(-1)
+        rewards[rows, last[rows]] = packed.rewards[rows]
+        if ref is None or self._kl_ctrl is None:
+            return rewards, {}
+        kl = kl_penalty(old, ref, mask, self.recipe.algorithm.kl.estimator).detach()
+        beta = self._kl_ctrl.value
+        has = mask.any(dim=1)
+        value = float(masked_mean(masked_mean(kl, mask, dim=-1), has))
+        if math.isfinite(value):
+            self._kl_ctrl.update(value, packed.batch.batch_size)
+        return rewards - beta * kl, {"kl/value": value, "kl/coef": beta}
+
+    # --- correction -----------------------------------------------------------------------------
+    def _loss_config(self, rollout_correction: RolloutCorrectionConfig | None = None
+                     ) -> PolicyLossConfig:
+        loss = self.recipe.algorithm.loss
+        return PolicyLossConfig(loss_agg_mode=loss.agg, clip_ratio=loss.clip_ratio,
+                                clip_ratio_low=loss.clip_ratio_low,
+                                clip_ratio_high=loss.clip_ratio_high,
+                                clip_ratio_c=loss.clip_ratio_c,
+                                rollout_correction=rollout_correction)
+
+    def _correct(self, packed: _Packed, p: _Policies, advantages: torch.Tensor) -> _Correction:
+        """IS weights and kept tokens of ``algorithm.correction``, then M2PO / OPSM."""
+        alg = self.recipe.algorithm
+        mask = packed.batch.response_mask
+        mu = packed.rollout_log_prob
+        corr = alg.correction
+        loss_name, loss_cfg = alg.loss.name, self._loss_config()
+        weights: torch.Tensor | None = None
+        keep = mask.clone()
+        metrics: dict[str, float] = {}
+        if corr.kind == "compis":
+            cfg = CompISConfig(staleness=SourceCorrection(corr.staleness.method,
+                                                          corr.staleness.lower,
+                                                          corr.staleness.upper),
+                               engine=SourceCorrection(corr.engine.method, corr.engine.lower,
+                                                       corr.engine.upper))
+            res = compute_compis_weights(p.proximal, p.old, mu, mask, cfg)
+            weights, keep, metrics = res.weight, res.keep_mask, dict(res.metrics)
+        elif corr.kind == "preset":
+            assert self._preset is not None
+            if self.bypass_preset:  # the bypass_mode loss computes IS/RS between π_θ and μ
+                loss_name, loss_cfg = "bypass_mode", self._loss_config(self._preset)
+            else:
+                weights, keep, metrics = compute_rollout_correction_and_rejection_mask(
+                    p.old, mu, mask, self._preset)
+        elif corr.kind == "decoupled":
+            cap = corr.behaviour_weight_cap
+            method = SourceCorrection("none") if cap is None else SourceCorrection("cap",
+                                                                                  upper=cap)
+            res = compute_is_correction(p.proximal, mu, mask, method, prefix="is/staleness/")
+            weights, keep, metrics = res.weight, res.keep_mask, dict(res.metrics)
+        if alg.m2po is not None:
+            m2 = m2po_mask(p.proximal, mu, keep, alg.m2po.threshold, alg.m2po.max_cutoff)
+            keep = keep & m2.keep_mask
+            metrics.update(m2.metrics)
+        if alg.opsm is not None:
+            op = opsm_mask(p.proximal, mu, advantages, keep, alg.opsm.delta)
+            keep = keep & op.keep_mask
+            metrics.update(op.metrics)
+        metrics["rs/keep_frac"] = int(keep.sum()) / max(int(mask.sum()), 1)
+        return _Correction(weights, keep, loss_name, loss_cfg, metrics)
+
+    # --- training -------------------------------------------------------------------------------
+    def _train(self, packed: _Packed, proximal: torch.Tensor, advantages: torch.Tensor,
+               corr: _Correction, start_version: int) -> dict[str, float]:
+        """epochs × mini-batches optimizer steps; per-step metrics combined."""
+        batch = dataclasses.replace(packed.batch, response_mask=corr.keep)
+        optim = self.recipe.optim
+        steps: list[dict[str, float]] = []
+        for _ in range(optim.epochs):
+            for rows in packed.minibatch_rows:
+                steps.append(self.engine.train_step(
+                    batch.select(rows), advantages[rows], proximal[rows],
+                    loss_name=corr.loss_name, loss_config=corr.loss_config,
+                    rollout_is_weights=None if corr.weights is None else corr.weights[rows],
+                    routing=self._train_routing,
+                    r2_version=start_version if self._replay == "r2" else None,
+                    temperature=self.recipe.rollout.temperature,
+                    micro_batch_size=optim.micro_batch_size,
+                    entropy_coeff=self.recipe.algorithm.loss.entropy_coeff))
+        return self._policy_metrics(steps)
+
+    @staticmethod
+    def _policy_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+        out = _mean_metrics(steps)
+        norms = [float(m["train/grad_norm"]) for m in steps if "train/grad_norm" in m]
+        if norms:
+            out["policy/grad_norm"] = sum(norms) / len(norms)
+            out["policy/grad_norm_max"] = max(norms)
+        if "train/lr" in out:
+            out["policy/lr"] = out["train/lr"]
+        if "policy/ppo_kl" in out:
+            out["policy/approx_kl"] = out["policy/ppo_kl"]
+        out["train/optimizer_steps"] = float(len(steps))
+        return out
+
+    # --- metrics ----------------------------------------------------------------------------------
+    def _diagnostics(self, packed: _Packed, p: _Policies) -> dict[str, float]:
+        """Engine mismatch (π_old vs μ; π_current vs μ when π_old is μ) and entropy tails."""
+        train_side = p.current if self.old_strategy in ("bypass", "loglinear") else p.old
+        return compute_mismatch_metrics(train_side, packed.rollout_log_prob,
+                                        packed.batch.response_mask, p.entropy)
+
+    def _rollout_metrics(self, packed: _Packed) -> dict[str, float]:
+        samples = packed.samples
+        batch = packed.batch
+        mask = batch.response_mask
+        r = packed.rewards.to(torch.float64)
+        m: dict[str, float] = {
+            "rollout/reward_mean": float(r.mean()) if len(samples) else 0.0,
+            "rollout/reward_std": float(r.std(unbiased=False)) if len(samples) else 0.0,
+            "rollout/logprob_mean": float(masked_mean(packed.rollout_log_prob, mask)),
+            "rollout/truncation_rate": sum(s.truncated for s in samples) / max(len(samples), 1),
+            "rollout/repetition_rate": repetition_rate([s.response_ids for s in samples]),
+            "async/partial_samples": float(sum(s.spans_sync for s in samples)),
+            "async/batch_samples": float(len(samples)),
+            "async/batch_tokens": float(batch.num_tokens),
+        }
+        m.update(tail_stats(batch.response_lens.to(torch.float64),
+                            prefix="rollout/response_length/"))
+        by_bucket: dict[int, list[float]] = {}
+        for s in samples:
+            if s.difficulty is not None:
+                by_bucket.setdefault(int(s.difficulty), []).append(s.reward)
+        for k, values in sorted(by_bucket.items()):
+            m[f"rollout/reward_by_difficulty/{k}"] = sum(values) / len(values)
+        if self._is_moe():
+            m["moe/replay_mode"] = {"none": 0.0, "r2": 2.0, "r3": 3.0}[self._replay]
+        return m
+
+    @staticmethod
+    def _lag_metrics(packed: _Packed, step: int, version_to_step: Callable[[int], int]
+                     ) -> dict[str, float]:
+        """Trainer steps between each loss token's producing version and ``step``."""
+        mask = packed.batch.response_mask
+        versions = packed.token_versions
+        lag = torch.zeros(versions.shape, dtype=torch.float64)
+        for v in set(versions[mask].tolist()):
+            lag[versions == v] = float(step - version_to_step(int(v)))
+        return tail_stats(lag, mask, prefix="old/token_lag_steps/")
+
+    def _debug(self, packed: _Packed, p: _Policies, rewards: torch.Tensor,
+               advantages: torch.Tensor, corr: _Correction, ref: torch.Tensor | None
+               ) -> dict[str, torch.Tensor] | None:
+        if not self.keep_tensors:
+            return None
+        out: dict[str, Any] = {
+            "rollout_log_prob": packed.rollout_log_prob, "current_log_prob": p.current,
+            "proximal_log_prob": p.proximal, "old_log_prob": p.old,
+            "token_versions": packed.token_versions,
+            "response_mask": packed.batch.response_mask, "keep_mask": corr.keep,
+            "token_level_rewards": rewards, "advantages": advantages, "entropy": p.entropy,
+            **p.extra,
+        }
+        if corr.weights is not None:
+            out["is_weights"] = corr.weights
+        if ref is not None:
+            out["ref_log_prob"] = ref
+        return out
