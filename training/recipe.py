@@ -514,6 +514,13 @@ class Recipe(_Strict):
                 and not moe:
             raise ValueError(f"algorithm.routing_replay={self.algorithm.routing_replay} needs an "
                              "MoE model: set model.moe_experts > 0 or routing_replay: none")
+        a = self.async_
+        least = {"sync": 0, "one_step": 1}.get(
+            a.mode, getattr(a, "trigger_parameter_sync_step", 1) - 1)
+        if a.max_off_policy_steps is not None and a.max_off_policy_steps < least:
+            raise ValueError(
+                f"async.max_off_policy_steps={a.max_off_policy_steps} would drop samples the "
+                f"{a.mode} mode always produces (staleness up to {least}); set it >= {least}")
         if self.data.max_in_flight < self.rollout.n:
             raise ValueError(f"data.max_in_flight={self.data.max_in_flight} is below the group "
                              f"size rollout.n={self.rollout.n}; raise it")

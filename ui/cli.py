@@ -485,6 +485,16 @@ def train(
                        **shown)
 
         try:
+            if resume is None:  # the warm start (cached after the first time) gets its own bar
+                from training.runtime.run import initial_checkpoint
+
+                def on_warm(ev) -> None:
+                    if ev.total:
+                        bar.update(task, description=f"warm start ({ev.phase} {ev.step}/"
+                                   f"{ev.total})")
+
+                initial_checkpoint(recipe, progress=on_warm)
+                bar.update(task, description="starting engines")
             result = run_recipe(recipe, out=None if resume else run_dir, steps=steps,
                                 resume=resume, ray_address=ray_address, sinks=sinks,
                                 progress=on_step, checkpoint_every=checkpoint_every)

@@ -283,8 +283,9 @@ class RolloutClient:
     async def update_weights_from_disk(self, path: str, version: int,
                                        abort_all_requests: bool = False
                                        ) -> list[WeightUpdateResult]:
-        """Load ``path`` on every admitted engine as ``version``; remembered for resyncs when all
-        succeed. An engine that cannot be reached is ejected (it is resynced on readmission)."""
+        """Load ``path`` on every admitted engine as ``version``; remembered for resyncs when at
+        least one engine loaded it. An engine that cannot be reached, or that answered with a
+        failure while others succeeded, is ejected (it is resynced on readmission)."""
         body = {"model_path": str(path), "weight_version": str(int(version)),
                 "abort_all_requests": abort_all_requests}
         answers = await self._broadcast("/update_weights_from_disk", body)
@@ -294,11 +295,17 @@ class RolloutClient:
                 results.append(WeightUpdateResult(False, f"unreachable: {resp}", url))
                 continue
             data = _json_or_none(resp) or {}
-            results.append(WeightUpdateResult(bool(data.get("success", resp.is_success)),
-                                               str(data.get("message", resp.text[:200])), url))
-        if all(r.success or r.message.startswith("unreachable") for r in results) and any(
-                r.success for r in results):
+            ok = bool(data.get("success", resp.is_success))
+            results.append(WeightUpdateResult(ok, str(data.get("message", resp.text[:200])), url))
+
+        if any(r.success for r in results):
+            # the fleet moved to `version`: an engine that kept its old weights must not serve;
+            # eject it, and the readmission resync loads these weights before it gets traffic
             self._weights = (str(path), int(version))
+            for r in results:
+                if not r.success and r.engine_url in self.engines \
+                        and not r.message.startswith("unreachable"):
+                    self._eject(self.engines[r.engine_url], f"weight update failed: {r.message}")
         return results
 
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
@@ -438,6 +445,9 @@ class RolloutClient:
             if self._paused is not None:
                 (await self._http.post(engine.url + "/pause_generation",
                                        json={"mode": self._paused})).raise_for_status()
+            else:  # it may have missed the fleet's continue while it was ejected
+                (await self._http.post(engine.url + "/continue_generation",
+                                       json={})).raise_for_status()
         except (httpx.HTTPError, RolloutEngineError, ValueError) as e:
             engine.last_error = f"resync failed: {e}"
             return False

@@ -194,6 +194,9 @@ class GenerateRequest:
         server needs ``--enable-return-routed-experts``).
     routed_experts_start_len: first position whose routes are returned (SGLang semantics).
     rid: request id, for ``abort``; the engine makes one when None.
+    expected_new_tokens: the caller's estimate of the response length (e.g. length-aware
+        dispatch's EMA per prompt); the router balances on it instead of ``max_new_tokens``.
+        Not sent to the engine.
     """
 
     input_ids: Sequence[int]
@@ -202,6 +205,7 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     rid: str | None = None
+    expected_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) == 0:
@@ -212,7 +216,10 @@ class GenerateRequest:
     @property
     def estimated_tokens(self) -> int:
         """Upper bound of the tokens this request occupies on an engine (load balancing)."""
-        return len(self.input_ids) + self.sampling.max_new_tokens * self.sampling.n
+        per_sample = self.sampling.max_new_tokens
+        if self.expected_new_tokens is not None:
+            per_sample = max(1, min(per_sample, int(self.expected_new_tokens)))
+        return len(self.input_ids) + per_sample * self.sampling.n
 
     def to_sglang(self) -> dict[str, Any]:
         """The ``POST /generate`` JSON body."""

@@ -124,13 +124,33 @@ class TrainerWorker:
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
 
-    def step(self, groups: list[Group], step: int) -> dict[str, Any]:
-        """One trainer step; returns {trained, rejected_reason, metrics, weight_version, time}."""
+    def step(self, groups: list[Group], step: int,
+             step_start_versions: list[int] | None = None) -> dict[str, Any]:
+        """One trainer step; returns {trained, rejected_reason, metrics, weight_version, time}.
+        ``step_start_versions[s]`` = the weight version trainer step s started from."""
+        import bisect
+
         t0 = time.monotonic()
-        res = self.learner.step(groups, step)
+        v2s = None
+        if step_start_versions:
+            starts = list(step_start_versions)
+
+            def v2s(version: int) -> int:
+                return max(0, bisect.bisect_right(starts, version) - 1)
+        res = self.learner.step(groups, step, version_to_step=v2s)
         return {"trained": res.trained, "rejected_reason": res.rejected_reason,
                 "metrics": res.metrics, "weight_version": int(self.engine.weight_version),
                 "time": time.monotonic() - t0}
+
+    def keep_snapshots(self, versions: list[int], keep_from: int) -> int:
+        """Drop retained weight versions older than ``keep_from`` that are not in ``versions``
+        (the versions the rollout engines served, which samples can still reference); returns
+        how many remain. Keeps the snapshot budget for versions π_old may need."""
+        keep = set(versions)
+        drop = [v for v in self.engine.snapshot_versions() if v < keep_from and v not in keep]
+        if drop:
+            self.engine.drop_snapshots(drop)
+        return len(self.engine.snapshot_versions())
 
     def export(self, directory: str) -> int:
         """HF directory of the current weights (what the rollout engines load)."""

@@ -312,6 +312,8 @@ class Learner:
         self.recipe = recipe
         self.pad_token_id = int(pad_token_id)
         self.keep_tensors = bool(keep_tensors)
+        self._version_to_step: Callable[[int], int] | None = None
+        self._current_step = 0
         alg = recipe.algorithm
         self._preset: RolloutCorrectionConfig | None = (
             PRESETS[alg.correction.name]() if alg.correction.kind == "preset" else None)
@@ -394,7 +396,8 @@ class Learner:
             step: the trainer (global) step number (log messages; the token-lag metric).
             version_to_step: maps a weight version to the trainer step that produced it; when
                 given, ``old/token_lag_steps/{mean,p50,p90,p99,max}`` = step − that step over the
-                loss tokens.
+                loss tokens, and ``loglinear`` interpolates in steps (A-3PO's policy versions)
+                instead of optimizer-step weight versions.
         Returns:
             :class:`StepResult`. Metric families: ``mismatch/*`` (π_old — π_current for
             bypass/loglinear — vs μ), ``policy/entropy/*``, ``is/*`` | ``rollout_corr/*``,
@@ -408,6 +411,8 @@ class Learner:
         Raises:
             ValueError: fewer groups than mini-batches.
         """
+        self._version_to_step = version_to_step
+        self._current_step = int(step)
         row_groups = _minibatch_groups(len(groups), self.recipe.async_.require_batches)
         samples = [s for g in groups for s in g.samples]
         reason = _bad_sample_reason(samples, need_routes=self._replay == "r3")
@@ -505,9 +510,18 @@ class Learner:
         if strategy == "bypass":
             return _Policies(current, entropy, mu, mu, {}, {})
         if strategy == "loglinear":
+            # A-3PO interpolates in policy versions = trainer steps (one step may hold several
+            # optimizer steps): map weight versions to steps when the caller told us how
+            v2s = self._version_to_step
+            if v2s is not None:
+                behav = packed.token_versions.clone()
+                for v in torch.unique(packed.token_versions).tolist():
+                    behav[packed.token_versions == v] = v2s(int(v))
+                cur_v = self._current_step
+            else:
+                behav, cur_v = packed.token_versions, self.engine.weight_version
             prox, alpha = loglinear_proximal_log_prob(
-                mu, current, packed.token_versions, self.engine.weight_version,
-                packed.batch.response_mask)
+                mu, current, behav, cur_v, packed.batch.response_mask)
             metrics = {"old/loglinear_alpha_mean":
                        float(masked_mean(alpha, packed.batch.response_mask))}
             return _Policies(current, entropy, prox, mu, {"loglinear_alpha": alpha}, metrics)

@@ -571,6 +571,7 @@ class StalenessController:
             samples_per_step, staleness_threshold, trigger_parameter_sync_step
         )
         self._submitted_total = 0
+        self._dropped_total = 0
         self._step = 0
         self._syncs = 0
 
@@ -605,7 +606,9 @@ class StalenessController:
     def _ahead_ok(self, n: int, step: int) -> bool:
         if self.max_ahead_steps is None or n == 0:
             return True
-        n_r = self._submitted_total + n  # the last of the new samples is the binding one
+        # the last of the new samples is the binding one; dropped (too stale) samples never
+        # became training data, so they do not count against the trainer's progress
+        n_r = self._submitted_total - self._dropped_total + n
         return (n_r - 1) // self.samples_per_step <= step + self.max_ahead_steps
 
     def on_sync(self, step: int, outstanding_samples: int) -> int:
@@ -653,11 +656,20 @@ class StalenessController:
         self._quota -= n
         self._submitted_total += n
 
+    def on_dropped(self, n: int) -> None:
+        """``n`` submitted samples were discarded unused (``max_off_policy_steps``): give them
+        back to the quota and take them out of ``N_r`` for the max-ahead rule, so discarding
+        cannot starve the trainer between two syncs."""
+        _require_int("n", n, 0)
+        self._dropped_total += n
+        self._quota += n
+
     def state_dict(self) -> dict[str, Any]:
-        """Quota, ``N_r``, latest policy step and sync count (JSON-serialisable)."""
+        """Quota, ``N_r``, dropped samples, latest policy step and sync count (JSON)."""
         return {
             "quota": self._quota,
             "submitted_total": self._submitted_total,
+            "dropped_total": self._dropped_total,
             "step": self._step,
             "syncs": self._syncs,
         }
@@ -673,6 +685,7 @@ class StalenessController:
             ) from exc
         self._quota = values["quota"]
         self._submitted_total = values["submitted_total"]
+        self._dropped_total = values["dropped_total"]
         self._step = values["step"]
         self._syncs = values["syncs"]
 
@@ -723,7 +736,7 @@ def staleness_metrics(
 ) -> dict[str, float]:
     """Distribution of per-sample staleness (steps behind) for logging.
 
-    Keys (after ``prefix``): ``count``, ``mean``, ``min``, ``max``, ``p50``, ``p90`` and
+    Keys (after ``prefix``): ``count``, ``mean``, ``min``, ``max``, ``p50``, ``p90``, ``p99`` and
     ``hist/0`` … ``hist/<max>`` (how many samples have each staleness value, zeros included up to
     the max). Percentiles are *nearest-rank*: with the n values sorted ascending, ``p_q`` is the
     value at 1-based rank ``ceil(q/100 · n)`` (so always an observed value; p50 of [0, 1] is 0).
@@ -742,6 +755,7 @@ def staleness_metrics(
         prefix + "max": float(values[-1]),
         prefix + "p50": float(_nearest_rank(values, 50)),
         prefix + "p90": float(_nearest_rank(values, 90)),
+        prefix + "p99": float(_nearest_rank(values, 99)),
     }
     hist = [0] * (values[-1] + 1)
     for v in values:

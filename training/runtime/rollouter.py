@@ -54,15 +54,16 @@ def build_task(recipe: Recipe) -> Task:
 def example_for_group(task: Task, recipe: Recipe, group_id: int) -> Example:
     """The training prompt of group ``group_id``: deterministic in (recipe seed, group id).
 
-    With ``task.difficulty_weights`` the bucket is drawn by weight first; otherwise the task's
-    own balanced mix is used.
+    The difficulty bucket is drawn first — by ``task.difficulty_weights`` when given, else
+    uniformly over the task's buckets (a task without buckets draws from its whole split).
     """
     rng = random.Random(stable_hash(recipe.seed, "group", group_id))
     weights = recipe.task.difficulty_weights
+    buckets = sorted(weights) if weights else task.difficulties()
     difficulty = None
-    if weights:
-        buckets = sorted(weights)
-        difficulty = rng.choices(buckets, weights=[weights[b] for b in buckets])[0]
+    if buckets:
+        w = [weights[b] for b in buckets] if weights else None
+        difficulty = rng.choices(buckets, weights=w)[0]
     seed = rng.randrange(2**31)
     return task.examples("train", 1, seed=seed, difficulty=difficulty)[0]
 
@@ -112,6 +113,7 @@ class Rollouter:
         self.dispatcher = Dispatcher(r.data.dispatch, ema_alpha=r.data.length_ema)
         self.partial_rollout = bool(getattr(a, "partial_rollout", False))
         self.max_in_flight = r.data.max_in_flight
+        self.sync_timeout_s = 600.0
         self.moe = r.is_moe and r.algorithm.routing_replay == "r3"
         self.policy_step = 0
         self.version = int(version)
@@ -186,6 +188,7 @@ class Rollouter:
                 self._wake.clear()
                 if not self._syncing:
                     await self._submit_allowed()
+                if not self._syncing and not self._stopping:  # a sync may start while submitting
                     self._dispatch_ready()
                 self._mark_busy_state()
                 with contextlib.suppress(TimeoutError):
@@ -197,7 +200,7 @@ class Rollouter:
     async def _submit_allowed(self) -> None:
         while self._regen:  # groups in flight when the checkpoint was taken: regenerate them
             await self._submit(self._regen.pop(0), count=False)
-        while self.controller.can_submit(self.n, self.policy_step):
+        while not self._syncing and self.controller.can_submit(self.n, self.policy_step):
             gid = self.next_group_id
             self.next_group_id += 1
             await self._submit(gid, count=True)
@@ -230,8 +233,11 @@ class Rollouter:
             max_new_tokens=r.max_response_tokens, temperature=r.temperature, top_p=r.top_p,
             stop_token_ids=(self.tokenizer.eos_token_id,),
             seed=stable_hash(self.recipe.seed, "sample", gid, idx, attempt) % 2**31)
+        expected = self.dispatcher.expected_length(pend.example.id)
         return GenerateRequest(input_ids=pend.prompt_ids, sampling=sampling,
-                               return_routed_experts=self.moe)
+                               return_routed_experts=self.moe,
+                               expected_new_tokens=None if expected is None else
+                               int(expected) + 1)
 
     async def _run_sample(self, gid: int, idx: int) -> None:
         pend = self._groups[gid]
@@ -271,7 +277,6 @@ class Rollouter:
             self.dispatcher.complete(gid, idx, len(res.output_ids))
             pend.samples[idx] = sample
             if all(s is not None for s in pend.samples):
-                del self._groups[gid]
                 group = Group(group_id=gid, prompt_id=pend.example.id,
                               difficulty=pend.example.difficulty, answer=pend.example.answer,
                               submit_step=pend.submit_step,
@@ -280,6 +285,8 @@ class Rollouter:
                 self.counters["groups_completed"] += 1
                 put = self.buffer.put
                 await (put.remote(group) if hasattr(put, "remote") else put(group))
+                # only now: until the buffer holds it, a checkpoint lists it to regenerate
+                del self._groups[gid]
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -308,7 +315,12 @@ class Rollouter:
             if self.partial_rollout:
                 await self.client.pause_generation("retract")
             else:
+                deadline = time.monotonic() + self.sync_timeout_s
                 while self._in_flight > 0:
+                    if time.monotonic() > deadline:
+                        raise RolloutEngineError(
+                            f"{self._in_flight} requests still running {self.sync_timeout_s:.0f} "
+                            "s after the sync began; check the rollout engines' logs")
                     await asyncio.sleep(0.01)
             t1 = time.monotonic()
             results = await self.client.update_weights_from_disk(path, version)
@@ -330,6 +342,15 @@ class Rollouter:
         self._poke()
         return {"async/sync_wait_s": t1 - t0, "async/weight_sync_s": t2 - t1,
                 "async/rollout_quota": float(quota), "async/stale_outstanding": float(outstanding)}
+
+    async def set_policy_step(self, step: int, dropped_samples: int = 0) -> None:
+        """The trainer finished a step (seed 004's i advances with every training step, not only
+        at syncs); ``dropped_samples`` too-stale samples were discarded and are credited back so
+        the limits do not count them as training data."""
+        self.policy_step = max(self.policy_step, int(step))
+        if dropped_samples:
+            self.controller.on_dropped(int(dropped_samples))
+        self._poke()
 
     # --- eval ---------------------------------------------------------------------------------
     async def evaluate(self, n: int) -> dict[str, float]:
@@ -372,10 +393,10 @@ class Rollouter:
         self._mark_busy_state()
         wall = max(time.monotonic() - self._t0, 1e-9)
         idle = self._idle + (time.monotonic() - self._idle_since if self._idle_since else 0.0)
-        out = {f"async/{k}": float(v) for k, v in self.counters.items()}
+        out = {f"async/rollouter/{k}": float(v) for k, v in self.counters.items()}
         out["async/rollouter_idle_ratio"] = min(1.0, idle / wall)
         out["async/in_flight_samples"] = float(self._in_flight)
-        out["async/rollout_quota"] = float(self.controller.quota)
+        out["async/rollouter/quota"] = float(self.controller.quota)
         out["async/submitted_samples"] = float(self.controller.submitted_total)
         out["async/rollout_tokens_per_s"] = self.counters["tokens_generated"] / wall
         out.update(self.dispatcher.stats())

@@ -155,10 +155,14 @@ class Runtime:
         self.consumed_samples = 0
         self.counters: dict[str, float] = dict(
             dropped_stale_samples=0, stale_samples_processed=0, stale_trajectories_processed=0,
-            rejected_batches=0, trained_samples=0, trained_tokens=0, wait_time_s=0.0,
-            train_time_s=0.0, sync_time_s=0.0, eval_time_s=0.0, wall_time_s=0.0)
+            rejected_batches=0, rejected_samples=0, trained_samples=0, trained_tokens=0,
+            wait_time_s=0.0,
+            train_time_s=0.0, sync_time_s=0.0, sync_wait_s=0.0, eval_time_s=0.0,
+            wall_time_s=0.0)
         self.init_dir: Path | None = None
         self.last_eval: dict[str, float] = {}
+        self._last_synced: int | None = None
+        self.synced_versions: list[int] = []
 
     # --- setup --------------------------------------------------------------------------------
     def _ray(self) -> Any:
@@ -171,7 +175,7 @@ class Runtime:
                     ray.init(address=self.ray_address, log_to_driver=False)
                 else:
                     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                             log_to_driver=False)
+                             log_to_driver=False, logging_level=logging.ERROR)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 where = self.ray_address or "a local Ray instance"
                 raise RunError(f"cannot start or join {where}: {e}; check --ray-address") from None
@@ -227,6 +231,7 @@ class Runtime:
             engine_dir = self.run_dir / CHECKPOINT_DIR / "hf"
             trainer_resume = str(self.run_dir / CHECKPOINT_DIR / "trainer")
             self._restore_counters(resume_state)
+            shutil.rmtree(self.run_dir / "weights", ignore_errors=True)
         metrics_path = self.run_dir / "metrics.jsonl"
         if resume_state is not None:
             _truncate_metrics(metrics_path, self.step)
@@ -238,6 +243,9 @@ class Runtime:
             urls = self._start_servers(engine_dir)
             version0 = int(read_meta(engine_dir).get("weight_version", 0))
             self._create_actors(ray, urls, trainer_resume, resume_state, version0)
+            if version0 not in self.synced_versions:
+                self.synced_versions.append(version0)
+            self._last_synced = version0
             if not self.step_start_versions:
                 self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
             if resume_state is None and self.recipe.eval.n > 0:
@@ -336,7 +344,7 @@ class Runtime:
         t0 = time.monotonic()
         groups, staleness, dropped = self._take_groups(ray)
         t1 = time.monotonic()
-        res = ray.get(self.trainer.step.remote(groups, self.step))
+        res = ray.get(self.trainer.step.remote(groups, self.step, self.step_start_versions))
         t2 = time.monotonic()
         metrics: dict[str, float] = dict(res["metrics"])
         c = self.counters
@@ -344,16 +352,18 @@ class Runtime:
         c["train_time_s"] += t2 - t1
         c["dropped_stale_samples"] += dropped
         samples = [s for g in groups for s in g.samples]
-        stale = [st for st in staleness if st > 0]
-        c["stale_samples_processed"] += len(stale)
-        c["stale_trajectories_processed"] += sum(
-            1 for g in groups if any(self.step - _step_of(self.step_start_versions, s.min_version)
-                                     > 0 for s in g.samples))
+        if res["trained"]:  # seed 002: a "sample" is a prompt's group, a "trajectory" a response
+            c["stale_trajectories_processed"] += sum(1 for st in staleness if st > 0)
+            c["stale_samples_processed"] += sum(
+                1 for g in groups if any(self.step - _step_of(self.step_start_versions,
+                                                              s.min_version) > 0
+                                         for s in g.samples))
         if res["trained"]:
             c["trained_samples"] += len(samples)
             c["trained_tokens"] += sum(s.response_len for s in samples)
         else:
             c["rejected_batches"] += 1
+            c["rejected_samples"] += len(samples)
             log.warning("step %d: batch rejected: %s", self.step, res["rejected_reason"])
         partial = [s for s in samples if s.spans_sync]
         spans = [_step_of(self.step_start_versions, max(s.token_versions))
@@ -372,13 +382,18 @@ class Runtime:
             "async/train_time_s": t2 - t1,
             "async/trainer_step_time_s": float(res["time"]),
             "async/trained_samples": c["trained_samples"],
+            "async/rejected_samples": c["rejected_samples"],
             "async/consumed_samples": float(self.consumed_samples),
         })
         version = int(res["weight_version"])
         self.step_start_versions.append(version)
+        # seed 004's i advances with every trainer step; dropped samples are credited back
+        ray.get(self.rollouter.set_policy_step.remote(self.step + 1, dropped))
         k = getattr(self.recipe.async_, "trigger_parameter_sync_step", 1)
         if (self.step + 1) % k == 0 or self.step + 1 == self.total_steps:
             metrics.update(self._sync(ray, version, self.step + 1))
+            metrics["async/retained_versions"] = float(ray.get(
+                self.trainer.keep_snapshots.remote(self._referenced_versions(), version)))
         t3 = time.monotonic()
         every = self.recipe.eval.every
         last = self.step + 1 == self.total_steps
@@ -398,18 +413,37 @@ class Runtime:
         """The parameter synchroniser: export the trainer's weights, load them on the engines."""
         t0 = time.monotonic()
         target = self.run_dir / "weights" / f"v{version}"
-        if not target.exists():
+        if version != self._last_synced or not target.is_dir():
+            # always a fresh export: a directory left by a run that was interrupted after its
+            # last checkpoint holds other weights under the same version number
             ray.get(self.trainer.export.remote(str(target)))
+        self._last_synced = version
+        self.synced_versions.append(version)
         t1 = time.monotonic()
-        out = ray.get(self.rollouter.sync_weights.remote(str(target), version, next_step,
-                                                         self.consumed_samples))
-        self.counters["sync_time_s"] += time.monotonic() - t0
+        try:
+            out = ray.get(self.rollouter.sync_weights.remote(str(target), version, next_step,
+                                                             self.consumed_samples))
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
+            raise RunError(f"weight sync to version {version} failed: {first}") from None
+        self.counters["sync_time_s"] += (t1 - t0) + out["async/weight_sync_s"]
+        self.counters["sync_wait_s"] += out["async/sync_wait_s"]
         for old in (self.run_dir / "weights").glob("v*"):  # keep the last two exports
             with contextlib.suppress(ValueError):
                 if int(old.name[1:]) < version - 1 and old != target:
                     shutil.rmtree(old, ignore_errors=True)
         out["async/weight_export_s"] = t1 - t0
         return out
+
+    def _referenced_versions(self) -> list[int]:
+        """Synced versions that buffered or in-flight samples may still carry (with
+        ``max_off_policy_steps`` older ones can only be dropped, so they need no snapshot)."""
+        limit = self.recipe.async_.max_off_policy_steps
+        if limit is None:
+            return list(self.synced_versions)
+        oldest = self.step_start_versions[max(0, len(self.step_start_versions) - 2 - limit)]
+        return [v for v in self.synced_versions if v >= oldest]
 
     def _evaluate(self, ray: Any) -> dict[str, float]:
         t0 = time.monotonic()
@@ -438,6 +472,7 @@ class Runtime:
             for g in groups:
                 f.write(json.dumps(g) + "\n")
         state = {"step": self.step, "step_start_versions": self.step_start_versions,
+                 "synced_versions": self.synced_versions,
                  "consumed_samples": self.consumed_samples, "counters": self.counters,
                  "rollouter": rstate, "init_dir": str(self.init_dir),
                  "recipe_identity": _identity(self.recipe), "recipe_hash": recipe_hash(
@@ -448,6 +483,7 @@ class Runtime:
     def _restore_counters(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.step_start_versions = [int(v) for v in state["step_start_versions"]]
+        self.synced_versions = [int(v) for v in state.get("synced_versions", [])]
         self.consumed_samples = int(state["consumed_samples"])
         self.counters.update({k: float(v) for k, v in state["counters"].items()})
 

@@ -587,7 +587,8 @@ def test_staleness_controller_state_dict_round_trip():
     c.on_submit(5, step=0)
     c.on_sync(2, outstanding_samples=3)  # quota = 12 − 3 = 9
     state = json.loads(json.dumps(c.state_dict()))
-    assert state == {"quota": 9, "submitted_total": 5, "step": 2, "syncs": 1}
+    assert state == {"quota": 9, "submitted_total": 5, "dropped_total": 0, "step": 2,
+                     "syncs": 1}
     d = StalenessController(4, 0.5, 2, max_ahead_steps=2)
     d.load_state_dict(state)
     assert (d.quota, d.submitted_total) == (9, 5)
@@ -619,15 +620,29 @@ def test_staleness_metrics_hand_computed():
         "async/staleness/max": 3.0,
         "async/staleness/p50": 0.0,
         "async/staleness/p90": 3.0,
+        "async/staleness/p99": 3.0,  # rank ceil(3.96) = 4 → 3
         "async/staleness/hist/0": 2.0,
         "async/staleness/hist/1": 1.0,
         "async/staleness/hist/2": 0.0,
         "async/staleness/hist/3": 1.0,
     }
-    # ten values 1..10: p50 rank 5 → 5, p90 rank 9 → 9
+    # ten values 1..10: p50 rank 5 → 5, p90 rank 9 → 9, p99 rank ceil(9.9) = 10 → 10
     m = staleness_metrics(list(range(1, 11)), prefix="s/")
-    assert (m["s/p50"], m["s/p90"], m["s/mean"], m["s/hist/0"]) == (5.0, 9.0, 5.5, 0.0)
+    assert (m["s/p50"], m["s/p90"], m["s/p99"], m["s/mean"], m["s/hist/0"]) == (
+        5.0, 9.0, 10.0, 5.5, 0.0)
     assert staleness_metrics([]) == {"async/staleness/count": 0.0}
     assert staleness_metrics([], prefix="x/") == {"x/count": 0.0}
     with pytest.raises(ValueError, match="steps_behind"):
         staleness_metrics([1, -1])
+
+
+def test_dropped_samples_are_credited_back():
+    # B = 4, η = 0, st = 0, k = 1: quota 4 and N_r ≤ 4 at step 0
+    c = StalenessController(4, max_ahead_steps=0)
+    c.on_submit(4, step=0)
+    assert not c.can_submit(1, 0)  # quota 0 and ⌊(5 − 1)/4⌋ = 1 > 0
+    c.on_dropped(2)  # two of them were too stale and discarded unused
+    assert c.quota == 2
+    assert c.can_submit(2, 0)  # effective N_r = 4 − 2 + 2 = 4 → ⌊3/4⌋ = 0 ≤ 0
+    assert not c.can_submit(3, 0)
+    assert c.state_dict()["dropped_total"] == 2

@@ -68,7 +68,8 @@ def check_counts(rows: list[dict]) -> None:
     """Every consumed sample was trained on or dropped as too stale (nothing lost/doubled)."""
     last = rows[-1]
     assert last["async/consumed_samples"] == (last["async/trained_samples"]
-                                              + last["async/dropped_stale_samples"])
+                                              + last["async/dropped_stale_samples"]
+                                              + last["async/rejected_samples"])
 
 
 def test_sync_mode_is_on_policy(ray_session, tmp_path):
@@ -110,7 +111,7 @@ def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     # partial rollouts: some samples' tokens came from two weight versions
     assert sum(r["async/partial_ratio"] for r in rows) > 0
     assert max(r["async/max_partial_span"] for r in rows) >= 1
-    assert rows[-1]["async/syncs"] == 8
+    assert rows[-1]["async/rollouter/syncs"] == 8
 
 
 def test_split_stale_drops_exactly_the_too_old_samples():
