@@ -459,7 +459,9 @@ class AlgorithmConfig(_Strict):
 class OptimSpec(_Strict):
     """Optimizer (AdamW) and PPO schedule."""
 
-    lr: float = Field(2e-4, gt=0.0, le=1.0, description="Peak learning rate.")
+    lr: float = Field(3e-5, gt=0.0, le=1.0, description=(
+        "Peak learning rate (3e-5 keeps the embedded warm start stable at 8 prompts × 8; 2e-4 "
+        "lowered its eval accuracy within 20 steps)."))
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     grad_clip: float | None = Field(1.0, gt=0.0, description="Gradient-norm clip (None = off).")
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = Field(

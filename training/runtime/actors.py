@@ -78,9 +78,13 @@ class SampleBuffer:
             self.buffer.put(Group.from_json(g))
 
     async def stats(self) -> dict[str, float]:
+        """Buffer figures; ``async/drain_max_lead`` = the largest (group id − window head) of any
+        group handed to the trainer so far: under windowed FIFO it stays below the window."""
+        log = self.buffer.take_log
         return {"async/buffered_groups": float(len(self.buffer)),
                 "async/outstanding_groups": float(self.buffer.outstanding()),
-                "async/buffer_head": float(self.buffer.head)}
+                "async/buffer_head": float(self.buffer.head),
+                "async/drain_max_lead": float(max((g - h for g, h in log), default=0))}
 
     async def take_log(self) -> list[tuple[int, int]]:
         return list(self.buffer.take_log)

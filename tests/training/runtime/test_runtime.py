@@ -102,7 +102,9 @@ def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     recipe = tiny("fully_async", 8,
                   **{"async": {"mode": "fully_async", "staleness_threshold": 1.0,
                                "partial_rollout": True, "max_ahead_steps": 1,
-                               "max_off_policy_steps": 1}})
+                               "max_off_policy_steps": 1},
+                     "data": {"drain": "windowed_fifo", "window": 6,
+                              "dispatch": "length_aware"}})
     res = run_recipe(recipe, out=tmp_path / "run")
     rows = step_rows(res.run_dir)
     assert len(rows) == 8
@@ -112,6 +114,10 @@ def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     assert sum(r["async/partial_ratio"] for r in rows) > 0
     assert max(r["async/max_partial_span"] for r in rows) >= 1
     assert rows[-1]["async/rollouter/syncs"] == 8
+    # windowed FIFO: no group was trained on more than the window ahead of submission order
+    assert rows[-1]["async/drain_max_lead"] < 6
+    # length-aware dispatch probed new prompts first and reused cached lengths for repeats
+    assert rows[-1]["dispatch/probes"] > 0 and rows[-1]["dispatch/cache_hits"] > 0
 
 
 def test_split_stale_drops_exactly_the_too_old_samples():
@@ -195,3 +201,17 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     with pytest.raises(RunError) as err:
         run_recipe(recipe, out=tmp_path / "run")
     assert "model.path" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_fully_async_with_rollout_routing_replay(ray_session, tmp_path):
+    recipe = tiny("fully_async", 3,
+                  model={"moe_experts": 4, "moe_top_k": 2},
+                  algorithm={"routing_replay": "r3"},
+                  **{"async": {"mode": "fully_async", "staleness_threshold": 0.5}})
+    res = run_recipe(recipe, out=tmp_path / "run")
+    rows = step_rows(res.run_dir)
+    assert len(rows) == 3 and all(r["async/batch_rejected"] == 0 for r in rows)
+    assert all(r["moe/replay_mode"] == 3 for r in rows)  # the rollout's routes were replayed
+    check_counts(rows)
+    cfg = json.loads((res.final_hf / "config.json").read_text())
+    assert cfg["num_local_experts"] == 4
