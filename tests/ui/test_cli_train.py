@@ -151,6 +151,10 @@ def fake_runtime(monkeypatch):
             steps_done=done, interrupted=behaviour["interrupted"])
 
     monkeypatch.setattr(run_mod, "run_recipe", fake_run_recipe)
+    # the CLI resolves the warm start first (its own progress bar); the real one is exercised by
+    # tests/ui/test_cli_train_interrupt.py and tests/training/runtime/test_runtime.py
+    monkeypatch.setattr(run_mod, "initial_checkpoint",
+                        lambda recipe, progress=None: Path("/nonexistent/warmstart"))
     return calls, behaviour, run_mod
 
 
