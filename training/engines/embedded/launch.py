@@ -77,8 +77,11 @@ class EmbeddedServer:
             raise RuntimeError(f"server on {self.url} is already running (pid {self.proc.pid})")
         log = open(self.log_path, "ab")  # noqa: SIM115 — the child owns it for its lifetime
         try:
+            # own session: a terminal's Ctrl-C reaches only the driver, which stops the server
+            # by PID in order (a server dying first would fail an in-flight weight sync)
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(self.env or {})})
+                                         env={**os.environ, **(self.env or {})},
+                                         start_new_session=True)
         finally:
             log.close()
         return self
