@@ -317,6 +317,14 @@ schema_app = typer.Typer(help="JSON schemas of the YAML files asyncrl reads (for
                          no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
 
+def _register_platform_commands() -> None:
+    from ui.campaign_cli import register
+
+    register(app, schema_app)
+
+
+_register_platform_commands()
+
 
 @schema_app.command("recipe")
 def schema_recipe(

@@ -1,0 +1,424 @@
+"""The campaign flow (Prefect 3): stages run in order; each candidate is trained, judged and the
+winner promoted before the next stage starts from it (DESIGN.md "The data that flows").
+
+Tasks:
+
+- :func:`run_candidate` — trains one candidate recipe on Ray (``training.runtime.run``) from the
+  previous stage's promoted checkpoint; metrics stream to an MLflow child run. Its run directory
+  is ``$ASYNCRL_HOME/campaigns/<id>/<stage>/<candidate>``: a finished run is not re-run, a run
+  killed mid-way resumes from its last checkpoint.
+- :func:`judge` — evaluates the stage's gates on the run's metric history (and the reference
+  stage's summary): registry rows, a JSON gate report and PNG plots as MLflow artifacts.
+- :func:`promote` — records the winner in the registry (idempotent) and registers its checkpoint
+  as an MLflow model version with the alias ``stage-<stage>`` and ``champion``.
+
+Tasks declare retries and persist their results keyed by campaign id + stage + candidate +
+recipe hash, and the registry is the source of truth for what finished: re-running or resuming a
+campaign (also after ``kill -9``) skips finished work and continues the rest. When no candidate
+of a stage passes, the campaign stops with a verdict and a decision-tree diagnosis (seed 001).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+
+from registry.campaign import Campaign, Candidate, Stage, load_campaign
+from training.paths import state_dir
+
+log = logging.getLogger("asyncrl.campaign")
+
+EventFn = Callable[[dict[str, Any]], None]
+
+# Progress listeners of the flow runs in this process (the CLI's live table subscribes here:
+# a flow's parameters must be plain data, so callbacks cannot be passed to it).
+EVENT_LISTENERS: list[EventFn] = []
+
+
+def _to_listeners(event: dict[str, Any]) -> None:
+    for fn in list(EVENT_LISTENERS):
+        fn(event)
+
+__all__ = ["CampaignOutcome", "campaign_flow", "new_campaign_id", "run_campaign"]
+
+
+def new_campaign_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def campaign_dir(campaign_id: str) -> Path:
+    return state_dir() / "campaigns" / campaign_id
+
+
+@dataclass
+class CampaignOutcome:
+    """What a campaign left: status (finished | stopped | failed), the verdict, per-stage
+    promotions and the MLflow parent run."""
+
+    campaign_id: str
+    status: str
+    verdict: str
+    promoted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    diagnosis: dict[str, Any] | None = None
+    mlflow_run_id: str | None = None
+
+
+def _emit(events: EventFn | None, **event: Any) -> None:
+    if events is not None:
+        try:
+            events(event)
+        except Exception:  # a display callback never breaks the campaign
+            log.debug("event callback failed", exc_info=True)
+
+
+# --- tasks --------------------------------------------------------------------------------------
+
+
+def _cache_key(context: Any, params: Mapping[str, Any]) -> str:
+    """campaign id + stage + candidate + recipe hash, within one state directory and registry
+    (Prefect's result store may be shared by several state directories)."""
+    where = hashlib.sha256(f"{state_dir()}|{params['registry_url']}".encode()).hexdigest()[:12]
+    return f"{where}:{params['campaign_id']}:{params['stage']}:{params['candidate']}:" \
+           f"{params['recipe_hash']}"
+
+
+@task(name="run_candidate", retries=1, retry_delay_seconds=5, cache_key_fn=_cache_key,
+      persist_result=True)
+def run_candidate(*, campaign_id: str, stage: str, candidate: str, recipe_hash: str,
+                  recipe_data: dict[str, Any], registry_url: str | None,
+                  mlflow_run_id: str | None, tracking_uri: str | None) -> dict[str, Any]:
+    """Train one candidate (resuming its run directory if a previous attempt was killed)."""
+    from flows.tracking import Tracker
+    from registry.db import RegistryDB
+    from training.recipe import recipe_from_dict
+    from training.runtime.run import run_recipe
+
+    recipe = recipe_from_dict(recipe_data)
+    db = RegistryDB(registry_url)
+    run_dir = campaign_dir(campaign_id) / stage / candidate
+    run_id = db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="running",
+                           run_dir=str(run_dir), mlflow_run_id=mlflow_run_id)
+    tracker = Tracker(tracking_uri)
+    sinks = []
+    if mlflow_run_id:
+        sink = tracker.sink(mlflow_run_id)
+        from training.runtime.sinks import read_metrics
+        if (run_dir / "metrics.jsonl").is_file():  # a resumed attempt: bring MLflow up to date
+            sink.log_history(read_metrics(run_dir / "metrics.jsonl"))
+        sinks.append(sink)
+    done = _finished_run(run_dir, recipe.steps)
+    if done is not None:  # finished before a crash that lost the task's cached result
+        db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="finished",
+                      summary=done["summary"])
+        db.close()
+        return {"run_id": run_id, **done}
+    resume = run_dir if (run_dir / "checkpoint" / "runtime.json").is_file() else None
+    if resume is None and run_dir.exists():
+        import shutil
+        shutil.rmtree(run_dir)  # a start that died before its first checkpoint
+    result = run_recipe(recipe, out=None if resume else run_dir, resume=resume, sinks=sinks,
+                        checkpoint_every=max(1, recipe.steps // 4))
+    if result.interrupted:
+        raise KeyboardInterrupt
+    db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="finished",
+                  summary=result.summary)
+    db.close()
+    return {"run_id": run_id, "run_dir": str(run_dir), "final_hf": str(result.final_hf),
+            "metrics_path": str(result.metrics_path), "summary": result.summary}
+
+
+def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """The result of a run directory that already holds a complete run, else None."""
+    summary_path, final = run_dir / "summary.json", run_dir / "final" / "hf"
+    if not (summary_path.is_file() and (final / "config.json").is_file()):
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if int(summary.get("steps", 0)) < steps:
+        return None
+    return {"run_dir": str(run_dir), "final_hf": str(final),
+            "metrics_path": str(run_dir / "metrics.jsonl"), "summary": summary}
+
+
+@task(name="judge", retries=2, retry_delay_seconds=2)
+def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
+          references: dict[str, dict[str, float]], context: dict[str, Any],
+          registry_url: str | None, mlflow_run_id: str | None,
+          tracking_uri: str | None) -> dict[str, Any]:
+    """Evaluate the stage's gates on one run; record them; attach the report and plots."""
+    from flows.plots import run_plots
+    from flows.tracking import Tracker
+    from registry.db import RegistryDB
+    from registry.gates import evaluate_gate, summarize
+    from training.runtime.sinks import read_metrics
+
+    history = read_metrics(run["metrics_path"])
+    results = []
+    for g in gates:
+        ref = references.get(g["relative_to"]) if g.get("relative_to") else None
+        results.append(evaluate_gate(g["name"], history, g.get("params") or {}, reference=ref,
+                                     context=context).to_dict())
+    passed = all(r["passed"] for r in results)
+    report = {"passed": passed, "gates": results, "run_dir": run["run_dir"],
+              "summary": run["summary"]}
+    run_dir = Path(run["run_dir"])
+    (run_dir / "gate_report.json").write_text(json.dumps(report, indent=2, default=str))
+    db = RegistryDB(registry_url)
+    db.record_gate_results(run["run_id"], results)
+    db.close()
+    if mlflow_run_id:
+        tracker = Tracker(tracking_uri)
+        tracker.log_dict(mlflow_run_id, report, "gate_report.json")
+        try:
+            pngs = run_plots(history, run_dir / "plots")
+        except Exception as e:  # a plot is a convenience: never fail the judgement over it
+            log.warning("plots of %s failed: %s", run_dir, e)
+            pngs = []
+        for png in pngs:
+            tracker.log_artifact_file(mlflow_run_id, png, "plots")
+        tracker.set_tags(mlflow_run_id, {"asyncrl.gates_passed": str(passed).lower()})
+        tracker.end_run(mlflow_run_id, "FINISHED")
+    report["summary_for_reference"] = summarize(history)
+    return report
+
+
+@task(name="promote", retries=2, retry_delay_seconds=2)
+def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
+            recipe_hash: str, checkpoint: str, reason: str, registry_url: str | None,
+            mlflow_run_id: str | None, tracking_uri: str | None) -> dict[str, Any]:
+    """Record the promotion (idempotent) and register the checkpoint in MLflow with aliases."""
+    from flows.tracking import Tracker
+    from registry.db import RegistryDB
+
+    version = None
+    if mlflow_run_id:
+        version = Tracker(tracking_uri).register_model(
+            model_name(campaign_name), mlflow_run_id, checkpoint,
+            aliases=[f"stage-{stage}", "champion"])
+    db = RegistryDB(registry_url)
+    pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
+                     campaign_id=campaign_id, stage=stage, actor="auto", reason=reason,
+                     mlflow_version=version)
+    db.close()
+    return {"promotion_id": pid, "mlflow_version": version}
+
+
+def model_name(campaign_name: str) -> str:
+    """The MLflow registered model of a campaign's promoted checkpoints."""
+    return f"asyncrl-{campaign_name}"
+
+
+# --- the flow -----------------------------------------------------------------------------------
+
+
+def _choose(stage: Stage, outcomes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    passing = [o for o in outcomes if o["report"]["passed"]]
+    if not passing:
+        return None
+    if stage.promotion == "best_eval":
+        def ev(o: dict[str, Any]) -> float:
+            v = o["run"]["summary"].get("eval/reward_mean")
+            return float(v) if v is not None else float("-inf")
+        return max(passing, key=ev)
+    return passing[0]  # listed order
+
+
+def _context(recipe_data: Mapping[str, Any]) -> dict[str, Any]:
+    """What gates need to know about the recipe (the staleness bound the mode implies)."""
+    a = recipe_data.get("async", {})
+    mode = a.get("mode", "sync")
+    bound = {"sync": 0, "one_step": 1}.get(mode, a.get("max_off_policy_steps"))
+    return {"mode": mode, "max_staleness": bound}
+
+
+@flow(name="asyncrl-campaign", log_prints=False)
+def campaign_flow(campaign_path: str, campaign_id: str, registry_url: str | None = None,
+                  tracking_uri: str | None = None) -> dict[str, Any]:
+    """Run (or continue) the campaign in ``campaign_path`` under ``campaign_id``."""
+    out = run_campaign(Path(campaign_path), campaign_id, registry_url=registry_url,
+                       tracking_uri=tracking_uri, events=_to_listeners)
+    return out.__dict__
+
+
+def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | None = None,
+                 tracking_uri: str | None = None, events: EventFn | None = None
+                 ) -> CampaignOutcome:
+    """The body of :func:`campaign_flow` (call it inside a flow run)."""
+    from flows.tracking import Tracker
+    from registry.db import RegistryDB
+    from registry.gates import diagnosis_for
+    from training.runtime.sinks import read_metrics
+
+    campaign, base = load_campaign(campaign_path)
+    db = RegistryDB(registry_url)
+    db.create_campaign(campaign_id, campaign.name, {"campaign": campaign.model_dump(mode="json"),
+                                                   "base": base,
+                                                   "path": str(Path(campaign_path).resolve())})
+    db.set_campaign_status(campaign_id, "running")
+    tracker = Tracker(tracking_uri)
+    exp = tracker.experiment(f"asyncrl/{campaign.name}")
+    parent = tracker.start_campaign_run(exp, campaign_id, campaign.name,
+                                        tags={"asyncrl.campaign_file": str(campaign_path)}) \
+        if exp else None
+    _start_ray()
+    current: dict[str, Any] = dict(base)
+    checkpoint: str | None = None
+    references: dict[str, dict[str, float]] = {}
+    outcome = CampaignOutcome(campaign_id, "running", "", mlflow_run_id=parent)
+    plot_stages: list[dict[str, Any]] = []
+    try:
+        for index, stage in enumerate(campaign.stages):
+            done = db.promoted(campaign_id, stage.name)
+            if done is not None:  # finished before: continue from its promotion
+                recipe_row = db.get_recipe(done["recipe_hash"])
+                run_row = db.get_run(campaign_id=campaign_id, stage=stage.name,
+                                     candidate=done["candidate"])
+                if recipe_row is not None and run_row is not None and done.get("checkpoint"):
+                    import yaml
+
+                    current = yaml.safe_load(recipe_row["yaml"])
+                    checkpoint = done["checkpoint"]
+                    history = read_metrics(Path(run_row["run_dir"]) / "metrics.jsonl")
+                    from registry.gates import summarize
+                    references[stage.name] = summarize(history)
+                    outcome.promoted[stage.name] = {"candidate": done["candidate"],
+                                                    "recipe_hash": done["recipe_hash"],
+                                                    "checkpoint": checkpoint,
+                                                    "promotion_id": done["id"],
+                                                    "mlflow_version": done.get("mlflow_version")}
+                    plot_stages.append({"stage": stage.name, "candidates": [
+                        {"candidate": done["candidate"], "history": history, "passed": True,
+                         "promoted": True}]})
+                    _emit(events, kind="stage", stage=stage.name, status="promoted (earlier)")
+                    continue
+            db.upsert_stage(campaign_id, stage.name, index, "running")
+            _emit(events, kind="stage", stage=stage.name, status="running")
+            outcomes = []
+            for cand in stage.candidates:
+                o = _run_one(campaign, campaign_id, stage, cand, current, checkpoint,
+                             references, db, tracker, exp, parent, registry_url, tracking_uri,
+                             events)
+                outcomes.append(o)
+                if stage.promotion == "first_passing" and o["report"]["passed"]:
+                    break
+            plot_stages.append({"stage": stage.name, "candidates": [
+                {"candidate": o["candidate"], "history": read_metrics(o["run"]["metrics_path"]),
+                 "passed": o["report"]["passed"], "promoted": False} for o in outcomes]})
+            winner = _choose(stage, outcomes)
+            if winner is None:
+                worst = outcomes[-1]
+                diag = diagnosis_for(read_metrics(worst["run"]["metrics_path"]))
+                failed = "; ".join(f"{o['candidate']}: " + ", ".join(
+                    g["name"] for g in o["report"]["gates"] if not g["passed"])
+                    for o in outcomes)
+                verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
+                           f"diagnosis: {diag.get('summary', '')}")
+                db.upsert_stage(campaign_id, stage.name, index, "failed")
+                db.set_campaign_status(campaign_id, "stopped", verdict=verdict, diagnosis=diag)
+                if parent:
+                    tracker.log_dict(parent, {"verdict": verdict, "diagnosis": diag},
+                                     "verdict.json")
+                    tracker.set_tags(parent, {"asyncrl.verdict": verdict[:4000]})
+                outcome.status, outcome.verdict, outcome.diagnosis = "stopped", verdict, diag
+                _emit(events, kind="stage", stage=stage.name, status="failed", verdict=verdict)
+                break
+            plot_stages[-1]["candidates"][outcomes.index(winner)]["promoted"] = True
+            reason = (f"{stage.promotion}: passed {len(winner['report']['gates'])} gates"
+                      + (f", eval {winner['run']['summary'].get('eval/reward_mean'):.3f}"
+                         if winner['run']['summary'].get('eval/reward_mean') is not None else ""))
+            promo = promote(campaign_id=campaign_id, campaign_name=campaign.name,
+                            stage=stage.name, candidate=winner["candidate"],
+                            recipe_hash=winner["recipe_hash"],
+                            checkpoint=winner["run"]["final_hf"], reason=reason,
+                            registry_url=registry_url, mlflow_run_id=winner["mlflow_run_id"],
+                            tracking_uri=tracking_uri)
+            db.upsert_stage(campaign_id, stage.name, index, "finished")
+            outcome.promoted[stage.name] = {"candidate": winner["candidate"],
+                                            "recipe_hash": winner["recipe_hash"],
+                                            "checkpoint": winner["run"]["final_hf"], **promo}
+            _emit(events, kind="promoted", stage=stage.name, candidate=winner["candidate"])
+            references[stage.name] = winner["report"]["summary_for_reference"]
+            current = winner["recipe_data"]
+            checkpoint = winner["run"]["final_hf"]
+        else:
+            outcome.status = "finished"
+            outcome.verdict = (f"all {len(campaign.stages)} stages promoted; champion: "
+                               f"{campaign.stages[-1].name}/"
+                               f"{outcome.promoted[campaign.stages[-1].name]['candidate']}")
+            db.set_campaign_status(campaign_id, "finished", verdict=outcome.verdict)
+        if parent:
+            from flows.plots import campaign_plot
+            try:
+                png = campaign_plot(plot_stages, campaign_dir(campaign_id) / "campaign.png")
+            except Exception as e:
+                log.warning("campaign plot failed: %s", e)
+                png = None
+            if png is not None:
+                tracker.log_artifact_file(parent, png)
+            tracker.end_run(parent, "FINISHED")
+    except BaseException as e:
+        status = "failed" if not isinstance(e, KeyboardInterrupt) else "stopped"
+        db.set_campaign_status(campaign_id, status,
+                               verdict=f"{type(e).__name__}: {str(e)[:500]}; resume with "
+                                       f"asyncrl campaign resume {campaign_id}")
+        if parent:
+            tracker.end_run(parent, "KILLED" if status == "stopped" else "FAILED")
+        raise
+    finally:
+        db.close()
+    return outcome
+
+
+def _run_one(campaign: Campaign, campaign_id: str, stage: Stage, cand: Candidate,
+             current: dict[str, Any], checkpoint: str | None,
+             references: dict[str, dict[str, float]], db: Any, tracker: Any, exp: str | None,
+             parent: str | None, registry_url: str | None, tracking_uri: str | None,
+             events: EventFn | None) -> dict[str, Any]:
+    recipe = campaign.candidate_recipe(current, stage, cand, checkpoint=checkpoint)
+    rhash = recipe.hash()
+    db.put_recipe(rhash, recipe.name, recipe.to_yaml())
+    child = None
+    if exp and parent:
+        child = tracker.start_candidate_run(exp, parent, campaign_id=campaign_id,
+                                            stage=stage.name, candidate=cand.name,
+                                            recipe=recipe, recipe_hash=rhash, mode=recipe.mode)
+        if child:
+            tracker.log_dict(child, recipe.to_dict(), "recipe.json")
+    _emit(events, kind="candidate", stage=stage.name, candidate=cand.name, status="running",
+          recipe_hash=rhash)
+    run = run_candidate(campaign_id=campaign_id, stage=stage.name, candidate=cand.name,
+                        recipe_hash=rhash, recipe_data=recipe.to_dict(),
+                        registry_url=registry_url, mlflow_run_id=child,
+                        tracking_uri=tracking_uri)
+    report = judge(run=run, gates=[g.model_dump() for g in stage.gates], references=references,
+                   context=_context(recipe.to_dict()), registry_url=registry_url,
+                   mlflow_run_id=child, tracking_uri=tracking_uri)
+    db.upsert_run(campaign_id, stage.name, cand.name, rhash,
+                  status="finished" if report["passed"] else "rejected")
+    _emit(events, kind="candidate", stage=stage.name, candidate=cand.name,
+          status="passed" if report["passed"] else "rejected", summary=run["summary"],
+          gates=report["gates"])
+    return {"candidate": cand.name, "recipe_hash": rhash, "recipe_data": recipe.to_dict(),
+            "run": run, "report": report, "mlflow_run_id": child}
+
+
+def _start_ray() -> None:
+    """One local Ray for the whole campaign (FACTS.md), unless one is already up."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.ERROR)

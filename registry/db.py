@@ -1,0 +1,868 @@
+"""The registry API: campaigns, stages, recipes, candidate runs, gate results and promotions.
+
+One class, :class:`RegistryDB`, over SQLAlchemy; the same code runs on SQLite (the embedded
+default, a file under the state directory) and PostgreSQL (a team's server, URL from config).
+Opening a registry migrates it to the newest schema (Alembic, ``registry/migrations``).
+
+Conventions:
+
+- every write is one short transaction; every method returns plain dicts (JSON columns decoded,
+  timestamps as ISO-8601 UTC strings), never ORM objects;
+- the writes a resumed campaign repeats are idempotent: ``create_campaign``, ``put_recipe``,
+  ``upsert_stage``, ``upsert_run``, ``record_gate_results`` and auto ``promote``;
+- errors a user can act on are :class:`RegistryError` with a one-line message naming the problem
+  and the fix.
+
+SQLite: WAL journal, a 30 s busy timeout and foreign keys on every connection, and write
+transactions start with ``BEGIN IMMEDIATE`` (they queue for the write lock instead of failing
+with "database is locked" when two processes write at once).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, delete, event, select
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from registry.models import (
+    Campaign,
+    CandidateRun,
+    GateResult,
+    Promotion,
+    Recipe,
+    Stage,
+    utcnow,
+)
+
+#: Environment variable with a SQLAlchemy URL that overrides the default SQLite file.
+URL_ENV_VAR = "ASYNCRL_REGISTRY_URL"
+#: File name of the default SQLite registry inside the state directory.
+DEFAULT_FILE = "registry.db"
+#: SQLite waits this long for a lock before giving up (ms).
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+CAMPAIGN_STATUSES = ("pending", "running", "finished", "failed", "stopped")
+STAGE_STATUSES = ("pending", "running", "finished", "failed", "stopped", "skipped")
+RUN_STATUSES = ("pending", "running", "finished", "failed", "rejected")
+PROMOTION_STATUSES = ("active", "retired")
+#: Run statuses after which a run has ended (``finished_at`` is set on entering one).
+RUN_ENDED = ("finished", "failed", "rejected")
+#: The actor of promotions made by a campaign's promote task.
+AUTO = "auto"
+
+_RUN_FIELDS = ("status", "run_dir", "mlflow_run_id", "summary")
+_GATE_COLUMNS = ("name", "passed", "value", "threshold", "window_start", "window_end",
+                 "evidence", "params")
+_MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+# Alembic's ``context``/``op`` are process-wide proxies: two migrations running at once in one
+# process would send each other's DDL to the wrong connection. Across processes the database
+# serialises them (SQLite BEGIN IMMEDIATE, a PostgreSQL advisory lock in env.py).
+_MIGRATION_LOCK = threading.Lock()
+
+
+class RegistryError(Exception):
+    """A registry problem the caller can fix; the message is one line: the problem, then the fix."""
+
+
+def default_url() -> str:
+    """``$ASYNCRL_REGISTRY_URL`` if set, else the SQLite file ``registry.db`` in the state
+    directory (``$ASYNCRL_HOME``, see ``training.paths``)."""
+    env = os.environ.get(URL_ENV_VAR, "").strip()
+    if env:
+        return env
+    from training.paths import state_dir
+
+    return f"sqlite:///{state_dir() / DEFAULT_FILE}"
+
+
+def alembic_config(connection=None, url: str | None = None):
+    """An Alembic ``Config`` for the registry's migrations, built in code (no alembic.ini), so it
+    works from an installed wheel. Pass an open ``connection`` (preferred: it carries the SQLite
+    pragmas) or a ``url``."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    if url is not None:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    """The newest schema revision this version of asyncrl knows."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+# --------------------------------------------------------------------------------------------
+# value conversions
+
+
+def _json_default(value: Any) -> Any:
+    """numpy/torch scalars and arrays (``.item()``/``.tolist()``) become plain JSON values."""
+    for method in ("item", "tolist"):
+        fn = getattr(value, method, None)
+        if callable(fn):
+            try:
+                return fn()
+            except (TypeError, ValueError):
+                continue
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+def _json_dump(value: Any, what: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_json_default)
+    except (TypeError, ValueError) as e:
+        raise RegistryError(
+            f"{what} is not JSON-serialisable ({e}); pass plain dicts/lists/str/numbers "
+            "(for pydantic models: model_dump(mode='json'))"
+        ) from None
+
+
+def _json_load(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+def _iso(ts: datetime | None) -> str | None:
+    if ts is None:
+        return None
+    if ts.tzinfo is None:  # SQLite keeps no zone; we only ever write UTC
+        ts = ts.replace(tzinfo=UTC)
+    return ts.astimezone(UTC).isoformat()
+
+
+def _float(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise RegistryError(f"{what} must be a number or None, got {value!r}") from None
+    return None if math.isnan(out) else out  # NaN is stored as NULL on every backend
+
+
+def _check(value: str, allowed: tuple[str, ...], what: str) -> str:
+    if value not in allowed:
+        raise RegistryError(f"unknown {what} {value!r}; use one of: {', '.join(allowed)}")
+    return value
+
+
+def _nonempty(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise RegistryError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _campaign_dict(c: Campaign) -> dict:
+    return {
+        "id": c.id,
+        "name": c.name,
+        "spec": _json_load(c.spec),
+        "status": c.status,
+        "verdict": c.verdict,
+        "diagnosis": _json_load(c.diagnosis),
+        "created_at": _iso(c.created_at),
+        "updated_at": _iso(c.updated_at),
+    }
+
+
+def _stage_dict(s: Stage) -> dict:
+    return {
+        "campaign_id": s.campaign_id,
+        "name": s.name,
+        "index": s.position,
+        "status": s.status,
+        "promoted_candidate": s.promoted_candidate,
+        "created_at": _iso(s.created_at),
+        "updated_at": _iso(s.updated_at),
+    }
+
+
+def _recipe_dict(r: Recipe) -> dict:
+    return {"hash": r.hash, "name": r.name, "yaml": r.yaml, "created_at": _iso(r.created_at)}
+
+
+def _run_dict(r: CandidateRun) -> dict:
+    return {
+        "id": r.id,
+        "campaign_id": r.campaign_id,
+        "stage": r.stage,
+        "candidate": r.candidate,
+        "recipe_hash": r.recipe_hash,
+        "status": r.status,
+        "run_dir": r.run_dir,
+        "mlflow_run_id": r.mlflow_run_id,
+        "summary": _json_load(r.summary),
+        "started_at": _iso(r.started_at),
+        "finished_at": _iso(r.finished_at),
+        "created_at": _iso(r.created_at),
+        "updated_at": _iso(r.updated_at),
+    }
+
+
+def _gate_dict(g: GateResult) -> dict:
+    window = None
+    if g.window_start is not None or g.window_end is not None:
+        window = (g.window_start, g.window_end)
+    return {
+        "run_id": g.run_id,
+        "name": g.name,
+        "passed": bool(g.passed),
+        "value": g.value,
+        "threshold": g.threshold,
+        "window": window,
+        "evidence": _json_load(g.evidence),
+        "params": _json_load(g.params),
+        "created_at": _iso(g.created_at),
+    }
+
+
+def _promotion_dict(p: Promotion) -> dict:
+    return {
+        "id": p.id,
+        "campaign_id": p.campaign_id,
+        "stage": p.stage,
+        "candidate": p.candidate,
+        "recipe_hash": p.recipe_hash,
+        "checkpoint": p.checkpoint,
+        "mlflow_version": p.mlflow_version,
+        "actor": p.actor,
+        "reason": p.reason,
+        "status": p.status,
+        "created_at": _iso(p.created_at),
+        "retired_at": _iso(p.retired_at),
+        "retired_by": p.retired_by,
+        "retire_reason": p.retire_reason,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+
+
+def _sqlite_wal(cursor) -> None:
+    """Switch the database to WAL (persistent, so usually already on). Switching needs a lock
+    that SQLite does not wait for, so two connections opening a new file at once retry."""
+    import sqlite3
+
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _make_engine(url: URL) -> Engine:
+    if url.get_backend_name() == "sqlite":
+        database = url.database or ""
+        memory = database in ("", ":memory:") or "mode=memory" in database
+        if memory:
+            kwargs: dict[str, Any] = {
+                "poolclass": StaticPool,
+                "connect_args": {"check_same_thread": False},
+            }
+        else:
+            if not database.startswith("file:"):  # a plain path, not an SQLite URI
+                path = Path(database).expanduser().resolve()
+                path.parent.mkdir(parents=True, exist_ok=True)
+                url = url.set(database=str(path))  # immune to a later chdir
+            kwargs = {
+                "connect_args": {
+                    "check_same_thread": False,
+                    "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000,
+                }
+            }
+        engine = create_engine(url, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_connect(dbapi_conn, _record) -> None:
+            # SQLAlchemy, not the sqlite3 module, decides when transactions begin (see _begin).
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            if not memory:
+                _sqlite_wal(cur)
+            cur.execute("PRAGMA foreign_keys = ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn) -> None:
+            # Writers take the write lock up front and wait for it (busy_timeout); a deferred
+            # transaction that reads and then writes can fail at once with "database is locked".
+            immediate = conn.get_execution_options().get("asyncrl_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+        return engine
+    connect_args: dict[str, Any] = {}
+    if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = 10
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+class RegistryDB:
+    """The registry at ``url`` (default :func:`default_url`), migrated to the newest schema
+    unless ``upgrade=False``. Thread-safe: every call uses its own session."""
+
+    def __init__(self, url: str | None = None, *, upgrade: bool = True) -> None:
+        raw = url if url is not None else default_url()
+        try:
+            parsed = make_url(raw)
+        except ArgumentError:
+            raise RegistryError(
+                f"cannot parse the registry URL {raw!r}; use a SQLAlchemy URL such as "
+                "sqlite:///path/registry.db or postgresql+psycopg://user@host/db"
+            ) from None
+        #: The registry's URL, password hidden (``***``), as SQLAlchemy prints URLs.
+        self.url: str = parsed.render_as_string(hide_password=True)
+        self._password = parsed.password
+        try:
+            self._engine = _make_engine(parsed)
+        except (NoSuchModuleError, ModuleNotFoundError, ImportError) as e:
+            raise RegistryError(
+                f"cannot open the registry at {self.url}: no database driver ({e}); install it, "
+                "e.g. pip install 'psycopg[binary]' for postgresql+psycopg://"
+            ) from None
+        except OSError as e:
+            raise RegistryError(
+                f"cannot open the registry at {self.url}: {_one_line(str(e))}; check that the "
+                "directory can be created and written"
+            ) from None
+        self.url = self._engine.url.render_as_string(hide_password=True)  # absolute for SQLite
+        self._writer = self._engine.execution_options(asyncrl_write=True)
+        self._read_session = sessionmaker(bind=self._engine, expire_on_commit=False)
+        self._write_session = sessionmaker(bind=self._writer, expire_on_commit=False)
+        try:
+            self._connect_check()
+            if upgrade:
+                self.upgrade("head")
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _message(self, e: Exception) -> str:
+        message = _one_line(str(getattr(e, "orig", None) or e))
+        if self._password:
+            message = message.replace(self._password, "***")
+        return message
+
+    def _unreachable(self, e: Exception) -> RegistryError:
+        if self._engine.dialect.name == "sqlite":
+            hint = "check that the file's directory exists and is writable"
+        else:
+            hint = "check that the database server is running and the URL is right"
+        return RegistryError(
+            f"cannot open the registry at {self.url}: {self._message(e)}; {hint} "
+            f"(the URL comes from ${URL_ENV_VAR} or the state directory)"
+        )
+
+    def _connect_check(self) -> None:
+        try:
+            with self._engine.connect():
+                pass
+        except DBAPIError as e:
+            raise self._unreachable(e) from None
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        with self._write_session.begin() as session:
+            yield session
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._read_session() as session, session.begin():
+            yield session
+
+    def close(self) -> None:
+        """Close every pooled connection. The object must not be used afterwards."""
+        self._engine.dispose()
+
+    def __enter__(self) -> RegistryDB:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- schema --------------------------------------------------------------------------
+
+    def schema_revision(self) -> str:
+        """The schema revision the database is at (``""`` for an empty, unmigrated database)."""
+        from alembic.runtime.migration import MigrationContext
+
+        with self._engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision() or ""
+
+    def _migrate(self, fn, revision: str) -> None:
+        from alembic.util import CommandError
+
+        try:
+            with _MIGRATION_LOCK, self._writer.connect() as conn:
+                fn(alembic_config(connection=conn), revision)
+                conn.commit()
+        except CommandError as e:
+            raise RegistryError(
+                f"cannot migrate the registry at {self.url}: {_one_line(str(e))}; the database "
+                "may be from a newer asyncrl: upgrade asyncrl, or point "
+                f"${URL_ENV_VAR} at another database"
+            ) from None
+        except DBAPIError as e:
+            raise RegistryError(
+                f"cannot migrate the registry at {self.url}: {self._message(e)}; check that the "
+                "database user may create and alter tables"
+            ) from None
+
+    def upgrade(self, revision: str = "head") -> None:
+        """Migrate the schema up to ``revision`` (``alembic upgrade``); a no-op when already there.
+        """
+        from alembic import command
+
+        if revision == "head" and self.schema_revision() == head_revision():
+            return
+        self._migrate(command.upgrade, revision)
+
+    def downgrade(self, revision: str) -> None:
+        """Migrate the schema down to ``revision`` (``"base"`` drops every table)."""
+        from alembic import command
+
+        self._migrate(command.downgrade, revision)
+
+    # ---- campaigns -----------------------------------------------------------------------
+
+    def create_campaign(self, campaign_id: str, name: str, spec: dict) -> None:
+        """Record a campaign (status ``pending``). Idempotent: the same id with the same spec is a
+        no-op; the same id with a different spec is a :class:`RegistryError`."""
+        _nonempty(campaign_id, "campaign_id")
+        _nonempty(name, "campaign name")
+        spec_json = _json_dump(spec, "campaign spec")
+        for attempt in range(2):
+            try:
+                with self._write() as s:
+                    existing = s.get(Campaign, campaign_id)
+                    if existing is None:
+                        now = utcnow()
+                        s.add(Campaign(id=campaign_id, name=name, spec=spec_json,
+                                       status="pending", created_at=now, updated_at=now))
+                        return
+                    if existing.spec != spec_json or existing.name != name:
+                        raise RegistryError(
+                            f"campaign {campaign_id!r} is already recorded with a different "
+                            "name or spec; launch the changed campaign under a new id"
+                        )
+                    return
+            except IntegrityError:
+                if attempt:  # lost a race twice: something else is wrong
+                    raise
+
+    def get_campaign(self, campaign_id: str) -> dict | None:
+        with self._read() as s:
+            c = s.get(Campaign, campaign_id)
+            return None if c is None else _campaign_dict(c)
+
+    def list_campaigns(self) -> list[dict]:
+        """Every campaign, oldest first."""
+        with self._read() as s:
+            rows = s.scalars(select(Campaign).order_by(Campaign.created_at, Campaign.id))
+            return [_campaign_dict(c) for c in rows]
+
+    def set_campaign_status(
+        self,
+        campaign_id: str,
+        status: str,
+        *,
+        verdict: str | None = None,
+        diagnosis: dict | None = None,
+    ) -> None:
+        """Set a campaign's status; ``verdict``/``diagnosis`` are replaced only when given."""
+        _check(status, CAMPAIGN_STATUSES, "campaign status")
+        diagnosis_json = _json_dump(diagnosis, "campaign diagnosis")
+        with self._write() as s:
+            c = s.get(Campaign, campaign_id)
+            if c is None:
+                raise RegistryError(
+                    f"no campaign {campaign_id!r} in the registry; create_campaign first"
+                )
+            c.status = status
+            if verdict is not None:
+                c.verdict = verdict
+            if diagnosis is not None:
+                c.diagnosis = diagnosis_json
+            c.updated_at = utcnow()
+
+    # ---- stages --------------------------------------------------------------------------
+
+    def _require_campaign(self, s: Session, campaign_id: str) -> None:
+        if s.get(Campaign, campaign_id) is None:
+            raise RegistryError(
+                f"no campaign {campaign_id!r} in the registry; create_campaign first"
+            )
+
+    def upsert_stage(self, campaign_id: str, name: str, index: int, status: str) -> None:
+        """Create or update a campaign stage (its position and status)."""
+        _nonempty(name, "stage name")
+        _check(status, STAGE_STATUSES, "stage status")
+        for attempt in range(2):
+            try:
+                with self._write() as s:
+                    self._require_campaign(s, campaign_id)
+                    row = s.scalar(select(Stage).where(Stage.campaign_id == campaign_id,
+                                                       Stage.name == name))
+                    now = utcnow()
+                    if row is None:
+                        s.add(Stage(campaign_id=campaign_id, name=name, position=int(index),
+                                    status=status, created_at=now, updated_at=now))
+                    elif row.position != int(index) or row.status != status:
+                        row.position = int(index)
+                        row.status = status
+                        row.updated_at = now
+                    return
+            except IntegrityError:
+                if attempt:
+                    raise
+
+    def stages(self, campaign_id: str) -> list[dict]:
+        """A campaign's stages in ladder order."""
+        with self._read() as s:
+            rows = s.scalars(select(Stage).where(Stage.campaign_id == campaign_id)
+                             .order_by(Stage.position, Stage.id))
+            return [_stage_dict(r) for r in rows]
+
+    # ---- recipes -------------------------------------------------------------------------
+
+    def put_recipe(self, recipe_hash: str, name: str, yaml_text: str) -> None:
+        """Store a recipe by its hash. Idempotent: an existing hash is left as it is (the hash
+        is the identity; the first name and YAML stored win)."""
+        _nonempty(recipe_hash, "recipe_hash")
+        for attempt in range(2):
+            try:
+                with self._write() as s:
+                    if s.get(Recipe, recipe_hash) is None:
+                        s.add(Recipe(hash=recipe_hash, name=name, yaml=yaml_text,
+                                     created_at=utcnow()))
+                    return
+            except IntegrityError:
+                if attempt:
+                    raise
+
+    def get_recipe(self, recipe_hash: str) -> dict | None:
+        with self._read() as s:
+            r = s.get(Recipe, recipe_hash)
+            return None if r is None else _recipe_dict(r)
+
+    def _require_recipe(self, s: Session, recipe_hash: str) -> None:
+        if s.get(Recipe, recipe_hash) is None:
+            raise RegistryError(
+                f"no recipe {recipe_hash!r} in the registry; put_recipe it first"
+            )
+
+    # ---- candidate runs ------------------------------------------------------------------
+
+    def upsert_run(
+        self, campaign_id: str, stage: str, candidate: str, recipe_hash: str, **fields: Any
+    ) -> int:
+        """Create or update the run of ``candidate`` in ``stage`` and return its id (the same id
+        every time). ``fields``: ``status``, ``run_dir``, ``mlflow_run_id``, ``summary`` (dict);
+        only the fields given are changed. ``started_at`` is set the first time the status is
+        ``running`` (or ended), ``finished_at`` when it becomes finished/failed/rejected."""
+        unknown = set(fields) - set(_RUN_FIELDS)
+        if unknown:
+            raise RegistryError(
+                f"unknown run field(s) {sorted(unknown)}; use: {', '.join(_RUN_FIELDS)}"
+            )
+        _nonempty(stage, "stage")
+        _nonempty(candidate, "candidate")
+        values = dict(fields)
+        if "status" in values:
+            _check(values["status"], RUN_STATUSES, "run status")
+        if "summary" in values:
+            values["summary"] = _json_dump(values["summary"], "run summary")
+        for attempt in range(2):
+            try:
+                with self._write() as s:
+                    return self._upsert_run(s, campaign_id, stage, candidate, recipe_hash, values)
+            except IntegrityError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _upsert_run(self, s: Session, campaign_id: str, stage: str, candidate: str,
+                    recipe_hash: str, values: dict) -> int:
+        self._require_campaign(s, campaign_id)
+        self._require_recipe(s, recipe_hash)
+        row = s.scalar(select(CandidateRun).where(
+            CandidateRun.campaign_id == campaign_id,
+            CandidateRun.stage == stage,
+            CandidateRun.candidate == candidate,
+        ))
+        now = utcnow()
+        if row is None:
+            row = CandidateRun(campaign_id=campaign_id, stage=stage, candidate=candidate,
+                               recipe_hash=recipe_hash, status="pending",
+                               created_at=now, updated_at=now)
+            s.add(row)
+        changed = row.recipe_hash != recipe_hash
+        row.recipe_hash = recipe_hash
+        for key, value in values.items():
+            if getattr(row, key) != value:
+                setattr(row, key, value)
+                changed = True
+        status = values.get("status")
+        if status in ("running", *RUN_ENDED) and row.started_at is None:
+            row.started_at, changed = now, True
+        if status in RUN_ENDED and row.finished_at is None:
+            row.finished_at, changed = now, True
+        if status in ("pending", "running") and row.finished_at is not None:  # run again
+            row.finished_at, changed = None, True
+        if changed and row.id is not None:
+            row.updated_at = now
+        s.flush()
+        return row.id
+
+    def get_run(
+        self,
+        run_id: int | None = None,
+        *,
+        campaign_id: str | None = None,
+        stage: str | None = None,
+        candidate: str | None = None,
+    ) -> dict | None:
+        """A run by id, or by (campaign_id, stage, candidate)."""
+        with self._read() as s:
+            if run_id is not None:
+                row = s.get(CandidateRun, int(run_id))
+            elif campaign_id is not None and stage is not None and candidate is not None:
+                row = s.scalar(select(CandidateRun).where(
+                    CandidateRun.campaign_id == campaign_id,
+                    CandidateRun.stage == stage,
+                    CandidateRun.candidate == candidate,
+                ))
+            else:
+                raise RegistryError(
+                    "get_run needs a run_id or all of campaign_id, stage and candidate"
+                )
+            return None if row is None else _run_dict(row)
+
+    def runs(self, campaign_id: str, stage: str | None = None) -> list[dict]:
+        """A campaign's runs (of one stage if given), in creation order."""
+        with self._read() as s:
+            q = select(CandidateRun).where(CandidateRun.campaign_id == campaign_id)
+            if stage is not None:
+                q = q.where(CandidateRun.stage == stage)
+            return [_run_dict(r) for r in s.scalars(q.order_by(CandidateRun.id))]
+
+    # ---- gates ---------------------------------------------------------------------------
+
+    def record_gate_results(self, run_id: int, results: list[dict]) -> None:
+        """Replace a run's gate results with ``results`` (idempotent). Each dict: ``name``,
+        ``passed``, and optionally ``value``, ``threshold`` (numbers; NaN is stored as None),
+        ``window`` ((start_step, end_step) or None), ``evidence`` and ``params`` (JSON values)."""
+        rows = []
+        names = set()
+        for i, r in enumerate(results):
+            if not isinstance(r, dict) or "name" not in r or "passed" not in r:
+                raise RegistryError(
+                    f"gate result #{i} must be a dict with at least 'name' and 'passed'"
+                )
+            name = _nonempty(r["name"], f"gate result #{i} name")
+            if name in names:
+                raise RegistryError(f"gate {name!r} appears twice for run {run_id}; "
+                                    "give each gate of a stage a unique name")
+            names.add(name)
+            window = r.get("window")
+            if window is not None and len(window) != 2:
+                raise RegistryError(f"gate {name!r}: window must be (start, end) or None")
+            start, end = window if window is not None else (None, None)
+            rows.append(dict(
+                name=name,
+                passed=bool(r["passed"]),
+                value=_float(r.get("value"), f"gate {name!r} value"),
+                threshold=_float(r.get("threshold"), f"gate {name!r} threshold"),
+                window_start=None if start is None else int(start),
+                window_end=None if end is None else int(end),
+                evidence=_json_dump(r.get("evidence"), f"gate {name!r} evidence"),
+                params=_json_dump(r.get("params"), f"gate {name!r} params"),
+            ))
+        with self._write() as s:
+            if s.get(CandidateRun, int(run_id)) is None:
+                raise RegistryError(f"no run {run_id} in the registry; upsert_run first")
+            existing = s.scalars(select(GateResult).where(GateResult.run_id == int(run_id))
+                                 .order_by(GateResult.id)).all()
+            if [{k: getattr(g, k) for k in _GATE_COLUMNS} for g in existing] == rows:
+                return  # the same results again: keep the rows (and their ids) as they are
+            s.execute(delete(GateResult).where(GateResult.run_id == int(run_id)))
+            now = utcnow()
+            for row in rows:
+                s.add(GateResult(run_id=int(run_id), created_at=now, **row))
+
+    def gate_results(self, run_id: int) -> list[dict]:
+        """A run's gate results in the order they were recorded."""
+        with self._read() as s:
+            rows = s.scalars(select(GateResult).where(GateResult.run_id == int(run_id))
+                             .order_by(GateResult.id))
+            return [_gate_dict(g) for g in rows]
+
+    # ---- promotions ----------------------------------------------------------------------
+
+    def promote(
+        self,
+        *,
+        recipe_hash: str,
+        candidate: str,
+        checkpoint: str | None,
+        campaign_id: str | None = None,
+        stage: str | None = None,
+        actor: str = AUTO,
+        reason: str = "",
+        mlflow_version: str | None = None,
+    ) -> int:
+        """Promote a recipe (and its checkpoint); returns the promotion id.
+
+        ``actor="auto"`` (a campaign's promote task) needs ``campaign_id`` and ``stage`` and
+        happens once per (campaign, stage): a second call returns the same id and changes
+        nothing, even if that promotion was retired since (a different candidate for an already
+        promoted stage is an error). Any other actor is a person promoting by hand and must give
+        a ``reason``; manual promotions are never deduplicated."""
+        _nonempty(actor, "actor")
+        _nonempty(candidate, "candidate")
+        if stage is not None and campaign_id is None:
+            raise RegistryError("promote: a stage needs its campaign_id")
+        if actor == AUTO:
+            if campaign_id is None or stage is None:
+                raise RegistryError(
+                    "an auto promotion needs campaign_id and stage; to promote by hand pass "
+                    "actor=<your name> and a reason"
+                )
+        elif not reason.strip():
+            raise RegistryError(
+                f"manual promotion by {actor!r} needs a reason; pass reason='why this recipe'"
+            )
+        for attempt in range(2):
+            try:
+                with self._write() as s:
+                    return self._promote(s, recipe_hash, candidate, checkpoint, campaign_id,
+                                         stage, actor, reason, mlflow_version)
+            except IntegrityError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _promote(self, s: Session, recipe_hash, candidate, checkpoint, campaign_id, stage,
+                 actor, reason, mlflow_version) -> int:
+        if campaign_id is not None:
+            self._require_campaign(s, campaign_id)
+        self._require_recipe(s, recipe_hash)
+        if actor == AUTO:
+            existing = s.scalar(select(Promotion).where(
+                Promotion.actor == AUTO,
+                Promotion.campaign_id == campaign_id,
+                Promotion.stage == stage,
+            ))
+            if existing is not None:
+                if (existing.candidate, existing.recipe_hash) != (candidate, recipe_hash):
+                    raise RegistryError(
+                        f"stage {stage!r} of campaign {campaign_id!r} was already auto-promoted "
+                        f"(promotion {existing.id}: candidate {existing.candidate!r}); to change "
+                        "it, retire that promotion and promote by hand with a reason"
+                    )
+                return existing.id
+        row = Promotion(campaign_id=campaign_id, stage=stage, candidate=candidate,
+                        recipe_hash=recipe_hash, checkpoint=checkpoint,
+                        mlflow_version=mlflow_version, actor=actor, reason=reason,
+                        status="active", created_at=utcnow())
+        s.add(row)
+        s.flush()
+        if stage is not None:
+            self._sync_stage_promoted(s, campaign_id, stage)
+        return row.id
+
+    def _sync_stage_promoted(self, s: Session, campaign_id: str, stage: str) -> None:
+        """Keep ``stages.promoted_candidate`` equal to the newest active promotion's candidate."""
+        row = s.scalar(select(Stage).where(Stage.campaign_id == campaign_id, Stage.name == stage))
+        if row is None:
+            return
+        current = self._promoted(s, campaign_id, stage)
+        candidate = None if current is None else current.candidate
+        if row.promoted_candidate != candidate:
+            row.promoted_candidate = candidate
+            row.updated_at = utcnow()
+
+    def retire(self, promotion_id: int, *, actor: str, reason: str) -> None:
+        """Retire a promotion (it stays in the history). Retiring a retired one is a no-op."""
+        _nonempty(actor, "actor")
+        if not isinstance(reason, str) or not reason.strip():
+            raise RegistryError(
+                f"retiring promotion {promotion_id} needs a reason; pass reason='why'"
+            )
+        with self._write() as s:
+            row = s.get(Promotion, int(promotion_id))
+            if row is None:
+                raise RegistryError(
+                    f"no promotion {promotion_id} in the registry; list them with promotions()"
+                )
+            if row.status == "retired":
+                return
+            row.status = "retired"
+            row.retired_at = utcnow()
+            row.retired_by = actor
+            row.retire_reason = reason
+            s.flush()
+            if row.stage is not None and row.campaign_id is not None:
+                self._sync_stage_promoted(s, row.campaign_id, row.stage)
+
+    def promotions(
+        self, *, campaign_id: str | None = None, status: str | None = None
+    ) -> list[dict]:
+        """Promotions, oldest first, optionally of one campaign and/or one status."""
+        if status is not None:
+            _check(status, PROMOTION_STATUSES, "promotion status")
+        with self._read() as s:
+            q = select(Promotion)
+            if campaign_id is not None:
+                q = q.where(Promotion.campaign_id == campaign_id)
+            if status is not None:
+                q = q.where(Promotion.status == status)
+            return [_promotion_dict(p) for p in s.scalars(q.order_by(Promotion.id))]
+
+    @staticmethod
+    def _promoted(s: Session, campaign_id: str, stage: str) -> Promotion | None:
+        return s.scalar(select(Promotion).where(
+            Promotion.campaign_id == campaign_id,
+            Promotion.stage == stage,
+            Promotion.status == "active",
+        ).order_by(Promotion.id.desc()).limit(1))
+
+    def promoted(self, campaign_id: str, stage: str) -> dict | None:
+        """The active promotion of a campaign stage (the newest, if a person added one), or
+        None."""
+        with self._read() as s:
+            p = self._promoted(s, campaign_id, stage)
+            return None if p is None else _promotion_dict(p)

@@ -1,0 +1,135 @@
+"""A small campaign through the real stack: Prefect (temporary API), local Ray, embedded rollout
+servers, MLflow on SQLite, the registry on SQLite — and checks on what it left behind.
+
+Stage `baseline` runs one candidate; stage `async` runs `one-step` first, which must fail the
+stage's gate (staleness bounded by 0, and one-step training is one step stale), then `sync`,
+which passes: only `sync` is promoted and the failed candidate's gate report says why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+TINY = {
+    "name": "tiny", "steps": 2,
+    "model": {"kind": "warmstart", "warmstart_steps": 60, "hidden_size": 32, "num_layers": 2},
+    "rollout": {"n": 4, "batch_prompts": 4, "max_response_tokens": 16},
+    "engines": {"num_rollout_engines": 1},
+    "async": {"mode": "sync"},
+    "eval": {"every": 0, "n": 8},
+}
+
+CAMPAIGN = {
+    "name": "e2e",
+    "base": TINY,
+    "stages": [
+        {"name": "baseline", "gates": [{"name": "reward_not_collapsed"},
+                                       {"name": "staleness_within_bound"}]},
+        {"name": "async",
+         "candidates": [
+             {"name": "one-step", "overrides": {"async": {"mode": "one_step"},
+                                                "algorithm": {"old_logprob": "snapshot"}}},
+             {"name": "sync", "overrides": {"optim": {"lr": 1e-5}}},
+         ],
+         "gates": [{"name": "staleness_within_bound", "params": {"max_staleness": 0}},
+                   {"name": "logprob_diff_flat", "relative_to": "baseline",
+                    "params": {"max_ratio": 5.0}}]},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def campaign_run(tmp_path_factory):
+    import os
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    home = tmp_path_factory.mktemp("home")
+    saved = {k: os.environ.get(k) for k in ("ASYNCRL_HOME", "MLFLOW_TRACKING_URI")}
+    os.environ["ASYNCRL_HOME"] = str(home)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    path = home / "e2e.yaml"
+    path.write_text(yaml.safe_dump(CAMPAIGN))
+    import ray
+
+    from flows.campaign import campaign_flow
+
+    try:
+        with prefect_test_harness():
+            first = campaign_flow(str(path), "e2e-1")
+            again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
+        yield home, first, again
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_promotions_follow_the_gates(campaign_run):
+    _, out, _ = campaign_run
+    assert out["status"] == "finished", out["verdict"]
+    assert out["promoted"]["baseline"]["candidate"] == "default"
+    assert out["promoted"]["async"]["candidate"] == "sync"
+    from registry.db import RegistryDB
+
+    db = RegistryDB()
+    promos = db.promotions(campaign_id="e2e-1")
+    assert sorted((p["stage"], p["candidate"]) for p in promos) == [("async", "sync"),
+                                                                    ("baseline", "default")]
+    runs = {(r["stage"], r["candidate"]): r for r in db.runs("e2e-1")}
+    assert set(runs) == {("baseline", "default"), ("async", "one-step"), ("async", "sync")}
+    bad = {g["name"]: g for g in db.gate_results(runs[("async", "one-step")]["id"])}
+    assert not bad["staleness_within_bound"]["passed"]
+    assert bad["staleness_within_bound"]["value"] == 1.0
+    assert "1" in bad["staleness_within_bound"]["evidence"]
+    assert runs[("async", "one-step")]["status"] == "rejected"
+    good = db.gate_results(runs[("async", "sync")]["id"])
+    assert good and all(g["passed"] for g in good)
+    # the async stage started from the baseline's promoted checkpoint
+    recipe = yaml.safe_load(db.get_recipe(runs[("async", "sync")]["recipe_hash"])["yaml"])
+    assert recipe["model"] == {"kind": "checkpoint",
+                               "path": out["promoted"]["baseline"]["checkpoint"]}
+    report = json.loads((Path(runs[("async", "one-step")]["run_dir"]) / "gate_report.json")
+                        .read_text())
+    assert report["passed"] is False
+    db.close()
+
+
+def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
+    _, out, again = campaign_run
+    from mlflow import MlflowClient
+
+    from flows.campaign import model_name
+    from flows.tracking import default_tracking_uri
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(),
+                          registry_uri=default_tracking_uri())
+    exp = client.get_experiment_by_name("asyncrl/e2e")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("asyncrl.kind") == "campaign"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1  # the re-run continued it, no duplicate
+    assert len(children) == 3
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        hist = client.get_metric_history(child.info.run_id, "rollout/reward_mean")
+        assert [m.step for m in hist] == [0, 1]  # every step once, also after the re-run
+        assert child.data.params["async.mode"] in ("sync", "one_step")
+        arts = [a.path for a in client.list_artifacts(child.info.run_id, "plots")]
+        assert any(p.endswith(".png") for p in arts)
+        top = [a.path for a in client.list_artifacts(child.info.run_id)]
+        assert "gate_report.json" in top
+    champion = client.get_model_version_by_alias(model_name("e2e"), "champion")
+    staged = client.get_model_version_by_alias(model_name("e2e"), "stage-async")
+    assert champion.version == staged.version
+    sync_run = next(r for r in children if r.data.tags.get("asyncrl.candidate") == "sync")
+    assert champion.run_id == sync_run.info.run_id
+    assert again["promoted"] == out["promoted"]

@@ -1,0 +1,536 @@
+"""Stability gates on hand-built metric histories whose arithmetic is written out in comments."""
+
+import glob
+import json
+import math
+
+import pytest
+
+from registry.gates import (
+    GATES,
+    GateResult,
+    check_params,
+    diagnosis_for,
+    evaluate_gate,
+    evaluate_gates,
+    gate_names,
+    gate_params,
+    summarize,
+)
+from training.algorithms.decision_tree import Thresholds
+from training.runtime.sinks import JsonlSink, read_metrics
+
+LP = "mismatch/logprob_abs_diff/mean"
+ENT = "policy/entropy/mean"
+RW = "rollout/reward_mean"
+EV = "eval/reward_mean"
+LEN = "rollout/response_length/mean"
+RLP = "rollout/logprob_mean"
+GN = "policy/grad_norm"
+ST = "async/staleness/max"
+
+ALL_GATES = [
+    "entropy_no_blowup", "eval_tracks_reward", "grad_norm_no_spike", "is_health",
+    "logprob_diff_flat", "no_length_surge", "reward_not_collapsed",
+    "rollout_logprob_not_decreasing", "staleness_within_bound",
+]
+
+
+def hist(series: dict[str, list], start: int = 0) -> list[dict]:
+    """One training row per step; series[key][i] is the value at step start + i."""
+    n = max(len(v) for v in series.values())
+    rows = []
+    for i in range(n):
+        row = {"step": start + i}
+        for key, values in series.items():
+            if i < len(values):
+                row[key] = values[i]
+        rows.append(row)
+    return rows
+
+
+def test_registry_lists_the_nine_gates():
+    assert gate_names() == ALL_GATES
+    assert sorted(GATES) == ALL_GATES
+
+
+# ------------------------------------------------------------------------ logprob_diff_flat
+
+
+def test_logprob_diff_flat_passes_on_a_flat_series():
+    r = evaluate_gate("logprob_diff_flat", hist({LP: [0.02] * 8}))
+    assert r.passed
+    assert r.value == 0.0 and r.threshold == 0.0005
+    assert r.window == (0, 7)
+    assert "stayed flat" in r.evidence
+
+
+def test_logprob_diff_flat_fails_on_a_linear_rise():
+    # 0.006 + 0.001·i for i = 0..19: slope exactly 0.001/step > 0.0005, fitted rise 0.019 > 0.01.
+    r = evaluate_gate("logprob_diff_flat", hist({LP: [0.006 + 0.001 * i for i in range(20)]}))
+    assert not r.passed
+    assert r.value == pytest.approx(0.001)
+    assert r.threshold == 0.0005
+    assert r.window == (0, 19)
+    # first 5 points: mean of 0.006..0.010 = 0.008; last 5: mean of 0.021..0.025 = 0.023
+    assert "from 0.008 (first 5 points) to 0.023 (last 5 points)" in r.evidence
+    assert "slope 0.001/step > 0.0005" in r.evidence
+
+
+def test_logprob_diff_flat_ignores_a_steep_but_tiny_rise_on_a_short_run():
+    # x̄ = 1.5, ȳ = 0.0115: Σ(x−x̄)(y−ȳ) = 0.00225 − 0.00025 − 0.00025 + 0.00225 = 0.004,
+    # Σ(x−x̄)² = 5 → slope 0.0008 > 0.0005, but the fitted rise 0.0008·3 = 0.0024 ≤ 0.01.
+    r = evaluate_gate("logprob_diff_flat", hist({LP: [0.010, 0.012, 0.011, 0.013]}))
+    assert r.passed
+    assert r.value == pytest.approx(0.0008)
+    assert evaluate_gate("logprob_diff_flat", hist({LP: [0.010, 0.012, 0.011, 0.013]}),
+                         {"min_rise": 0.002}).passed is False
+
+
+def test_logprob_diff_flat_fails_on_a_high_level_without_reference():
+    r = evaluate_gate("logprob_diff_flat", hist({LP: [0.08] * 8}))
+    assert not r.passed
+    # 8 points → last ceil(0.25·8) = 2 points: steps 6–7, mean 0.08 > max_level 0.05
+    assert (r.value, r.threshold, r.window) == (pytest.approx(0.08), 0.05, (6, 7))
+    assert "too high" in r.evidence
+
+
+def test_logprob_diff_flat_level_relative_to_reference():
+    run = hist({LP: [0.02] * 8})
+    # reference level 0.01 → limit 1.5 × 0.01 = 0.015 < 0.02: fails (it passes absolutely)
+    r = evaluate_gate("logprob_diff_flat", run, reference={LP: 0.01})
+    assert not r.passed
+    assert r.value == pytest.approx(0.02) and r.threshold == pytest.approx(0.015)
+    assert "1.5 × the reference level 0.01" in r.evidence
+    # reference level 0.02 → limit 0.03: passes; max_ratio 0.9 → limit 0.018: fails
+    assert evaluate_gate("logprob_diff_flat", run, reference={LP: 0.02}).passed
+    assert not evaluate_gate("logprob_diff_flat", run, {"max_ratio": 0.9},
+                             reference={LP: 0.02}).passed
+    # a reference summary from summarize(): the baseline's last-25% mean
+    base = hist({LP: [0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.012, 0.012]})
+    ref = summarize(base)
+    assert ref[LP] == pytest.approx(0.012)
+    r = evaluate_gate("logprob_diff_flat", run, reference=ref)
+    assert not r.passed and r.threshold == pytest.approx(0.018)
+    # a reference without the key falls back to max_level
+    r = evaluate_gate("logprob_diff_flat", run, reference={"other": 1.0})
+    assert r.passed and "max_level" in r.evidence
+
+
+# ------------------------------------------------------------------------ entropy_no_blowup
+
+
+def test_entropy_spike_fails_and_gradual_drift_passes():
+    # median of the previous 5 [0.5, 0.4, 0.6, 0.5, 0.5] is 0.5; 1.2 / 0.5 = 2.4 > 2
+    r = evaluate_gate("entropy_no_blowup", hist({ENT: [0.5, 0.4, 0.6, 0.5, 0.5, 1.2]}))
+    assert not r.passed
+    assert r.value == pytest.approx(2.4) and r.threshold == 2.0
+    assert "step 5" in r.evidence and "2.40×" in r.evidence
+    # 0.9 / 0.5 = 1.8 ≤ 2
+    r = evaluate_gate("entropy_no_blowup", hist({ENT: [0.5] * 5 + [0.9]}))
+    assert r.passed and r.value == pytest.approx(1.8)
+    drift = [0.5 * 1.05 ** i for i in range(30)]  # +5 %/step: quadruples, never a spike
+    assert evaluate_gate("entropy_no_blowup", hist({ENT: drift})).passed
+
+
+def test_entropy_window_parameter():
+    series = [0.5, 0.5, 0.1, 0.1, 0.25]
+    # window 2: median of [0.1, 0.1] is 0.1 → 0.25 is 2.5×; window 4: median of
+    # [0.5, 0.5, 0.1, 0.1] = 0.3 → 0.83×
+    assert not evaluate_gate("entropy_no_blowup", hist({ENT: series}), {"window": 2}).passed
+    assert evaluate_gate("entropy_no_blowup", hist({ENT: series}), {"window": 4}).passed
+
+
+# ------------------------------------------------------------------------ reward_not_collapsed
+
+
+def test_reward_collapse_without_recovery_fails():
+    # smooth 1: peak 0.7 (step 2), last 0.3 → (0.7 − 0.3) / 0.7 = 4/7 ≈ 57 % ≥ 30 %
+    r = evaluate_gate("reward_not_collapsed", hist({RW: [0.5, 0.6, 0.7, 0.5, 0.4, 0.3]}),
+                      {"smooth": 1})
+    assert not r.passed
+    assert r.value == pytest.approx(4 / 7) and r.threshold == 0.3
+    assert r.window == (2, 5)
+    assert "peaked at 0.7 (step 2)" in r.evidence and "57% drop" in r.evidence
+
+
+def test_reward_drop_that_recovers_passes():
+    # peak 0.8, trough 0.3 (62.5 % drawdown), ends at 0.75: (0.8 − 0.75) / 0.8 = 6.25 % < 30 %
+    r = evaluate_gate("reward_not_collapsed", hist({RW: [0.5, 0.8, 0.4, 0.3, 0.7, 0.75]}),
+                      {"smooth": 1})
+    assert r.passed
+    assert r.value == pytest.approx(0.0625)
+    assert "recovered" in r.evidence and "62%" in r.evidence
+
+
+def test_reward_smoothing_absorbs_a_one_step_dip():
+    rewards = [0.6] * 5 + [0.3]
+    # raw: last 0.3 is 50 % below 0.6; trailing mean of 3: (0.6 + 0.6 + 0.3) / 3 = 0.5 → 1/6
+    assert not evaluate_gate("reward_not_collapsed", hist({RW: rewards}), {"smooth": 1}).passed
+    r = evaluate_gate("reward_not_collapsed", hist({RW: rewards}))
+    assert r.passed and r.value == pytest.approx(1 / 6)
+
+
+# ------------------------------------------------------------------------ eval_tracks_reward
+
+
+def _eval_history(last_eval: float) -> list[dict]:
+    # the runtime's pre-training eval is an eval-only row at step 0; later evals ride on
+    # training rows
+    rows = [{"step": 0, EV: 0.6, "step/eval_only": 1.0}]
+    rows += hist({RW: [0.3, 0.3, 0.3, 0.6, 0.6, 0.6]})
+    rows[-1][EV] = last_eval
+    return rows
+
+
+def test_simplicity_bias_fails():
+    # reward: mean of the last 3 (0.6) − mean of the first 3 (0.3) = +0.3 > 0;
+    # eval: 0.6 → 0.5, a fall of 0.1 > 0.05
+    r = evaluate_gate("eval_tracks_reward", _eval_history(0.5))
+    assert not r.passed
+    assert r.value == pytest.approx(0.1) and r.threshold == 0.05
+    assert r.window == (0, 5)
+    assert "simplicity bias" in r.evidence and "0.6 → 0.5" in r.evidence
+
+
+def test_eval_holding_up_passes_and_reference_eval_is_checked():
+    r = evaluate_gate("eval_tracks_reward", _eval_history(0.58))  # fall 0.02 ≤ 0.05
+    assert r.passed and r.value == pytest.approx(0.02)
+    # the reference stage's eval was 0.7: 0.7 − 0.58 = 0.12 > 0.05
+    r = evaluate_gate("eval_tracks_reward", _eval_history(0.58), reference={EV: 0.7})
+    assert not r.passed and r.value == pytest.approx(0.12)
+    assert "reference eval 0.7" in r.evidence
+
+
+def test_eval_gate_passes_without_eval_data():
+    r = evaluate_gate("eval_tracks_reward", hist({RW: [0.1, 0.2, 0.3]}))
+    assert r.passed and r.value is None and "no eval data" in r.evidence
+    assert not evaluate_gate("eval_tracks_reward", hist({RW: [0.1, 0.2, 0.3]}),
+                             {"require_data": True}).passed
+
+
+def test_eval_gate_names_the_difficulty_that_fell_most():
+    rows = _eval_history(0.5)
+    rows[0].update({"eval/reward/d1": 1.0, "eval/reward/d8": 0.5})
+    rows[-1].update({"eval/reward/d1": 1.0, "eval/reward/d8": 0.0})
+    assert "d8: 0.5 → 0" in evaluate_gate("eval_tracks_reward", rows).evidence
+
+
+# ------------------------------------------------------------------------ is_health
+
+
+def test_is_health_passes_and_fails_on_each_threshold():
+    ok = {"is/combined/ess": [0.9] * 8, "is/combined/mask_frac": [0.01] * 8,
+          "mismatch/chi2_token": [0.1] * 8}
+    r = evaluate_gate("is_health", hist(ok))
+    assert r.passed and r.value == pytest.approx(0.9) and r.threshold == 0.5
+    assert "rs_only" in r.evidence
+    # ESS: the last 2 of 8 points are 0.4, 0.3 → mean 0.35 < 0.5
+    low_ess = dict(ok, **{"is/combined/ess": [0.9] * 6 + [0.4, 0.3]})
+    r = evaluate_gate("is_health", hist(low_ess))
+    assert not r.passed
+    assert (r.value, r.threshold, r.window) == (pytest.approx(0.35), 0.5, (6, 7))
+    assert "ESS 0.35 < 0.5" in r.evidence
+    r = evaluate_gate("is_health", hist(dict(ok, **{"is/combined/mask_frac": [0.3] * 8})))
+    assert not r.passed and r.value == pytest.approx(0.3) and r.threshold == 0.25
+    r = evaluate_gate("is_health", hist(dict(ok, **{"mismatch/chi2_token": [1.5] * 8})))
+    assert not r.passed and r.value == pytest.approx(1.5) and r.threshold == 1.0
+
+
+def test_is_health_reads_verl_ess_and_passes_without_is_metrics():
+    r = evaluate_gate("is_health", hist({"rollout_corr/rollout_is_eff_sample_size": [0.2] * 4}))
+    assert not r.passed and "rollout_corr/rollout_is_eff_sample_size" in r.evidence
+    r = evaluate_gate("is_health", hist({RW: [0.5] * 4}))
+    assert r.passed and r.evidence.startswith("no IS metrics")
+    assert not evaluate_gate("is_health", hist({RW: [0.5] * 4}), {"require_data": True}).passed
+
+
+def test_is_health_defaults_are_the_decision_tree_thresholds():
+    t = Thresholds()
+    assert gate_params("is_health") == {
+        "min_ess": t.ess_min, "max_mask_frac": t.rs_mask_high,
+        "max_chi2_token": t.chi2_token_blowup, "tail": 0.25, "require_data": False}
+
+
+# ------------------------------------------------------------------------ no_length_surge
+
+
+def test_length_surge_fails_and_small_growth_passes():
+    # 100 → 130 within the window: 30 % > 20 %
+    r = evaluate_gate("no_length_surge", hist({LEN: [100, 100, 100, 130, 130]}), {"smooth": 1})
+    assert not r.passed
+    # the window runs from the latest lowest point (step 2) to the high (step 3)
+    assert (r.value, r.threshold, r.window) == (pytest.approx(0.3), 0.2, (2, 3))
+    r = evaluate_gate("no_length_surge", hist({LEN: [100, 100, 100, 110, 110]}), {"smooth": 1})
+    assert r.passed and r.value == pytest.approx(0.1)
+
+
+def test_length_surge_is_judged_within_the_window():
+    # 100 + 0.1·i for 300 steps: +30 % over the run, but within any 100 steps at most
+    # (100 + 10) / 100 − 1 = 10 % (steps 0 → 100)
+    lengths = [100 + 0.1 * i for i in range(300)]
+    r = evaluate_gate("no_length_surge", hist({LEN: lengths}), {"smooth": 1})
+    assert r.passed and r.value == pytest.approx(0.1) and r.window == (0, 100)
+    r = evaluate_gate("no_length_surge", hist({LEN: lengths}), {"smooth": 1, "window": 300})
+    assert not r.passed and r.value == pytest.approx(129.9 / 100 - 1)
+
+
+# ------------------------------------------------------------------------ rollout_logprob
+
+
+def test_rollout_logprob_decline_fails_and_rise_passes():
+    # −0.2 − 0.01·i, i = 0..9: slope −0.01 < −0.001, fitted fall 0.09 > 0.05
+    r = evaluate_gate("rollout_logprob_not_decreasing", hist({RLP: [-0.2 - 0.01 * i
+                                                                    for i in range(10)]}))
+    assert not r.passed
+    assert r.value == pytest.approx(-0.01) and r.threshold == pytest.approx(-0.001)
+    assert "slope -0.01/step < -0.001" in r.evidence
+    r = evaluate_gate("rollout_logprob_not_decreasing", hist({RLP: [-0.3 + 0.005 * i
+                                                                    for i in range(10)]}))
+    assert r.passed and r.value == pytest.approx(0.005)
+    # slope −0.005 but a fall of only 0.015 over 3 steps: noise on a short run
+    assert evaluate_gate("rollout_logprob_not_decreasing",
+                         hist({RLP: [-0.2, -0.205, -0.21, -0.215]})).passed
+
+
+# ------------------------------------------------------------------------ grad_norm_no_spike
+
+
+def _spike_history(reward_after: float) -> list[dict]:
+    # grad norm 30 at step 5 vs the median 2 of steps 0–4: 15× > 10×
+    grads = [2.0] * 5 + [30.0] + [2.0] * 5
+    rewards = [0.5] * 6 + [reward_after] * 5
+    return hist({GN: grads, RW: rewards})
+
+
+def test_grad_spike_with_reward_loss_fails():
+    # reward over steps 0–5 averages 0.5, over steps 6–10 0.2
+    r = evaluate_gate("grad_norm_no_spike", _spike_history(0.2))
+    assert not r.passed
+    assert (r.value, r.threshold, r.window) == (pytest.approx(15.0), 10.0, (0, 10))
+    assert "15.0×" in r.evidence and "from 0.5 (steps 0–5) to 0.2 (steps 6–10)" in r.evidence
+
+
+def test_grad_spike_without_reward_loss_passes_with_a_note():
+    r = evaluate_gate("grad_norm_no_spike", _spike_history(0.6))
+    assert r.passed and r.value == pytest.approx(15.0)
+    assert "without reward loss" in r.evidence and "0.5 → 0.6" in r.evidence
+
+
+def test_grad_norm_without_spike_and_zero_norm_steps():
+    # zero grad norms (no update) are not a baseline: median of [2, 2, 2] = 2, 4 / 2 = 2×
+    r = evaluate_gate("grad_norm_no_spike", hist({GN: [2.0, 0.0, 2.0, 0.0, 2.0, 4.0],
+                                                  RW: [0.5] * 6}))
+    assert r.passed and r.value == pytest.approx(2.0) and "no grad-norm spike" in r.evidence
+    # a spike on the last step: the reward after it is unknown, not a confirmed collapse
+    r = evaluate_gate("grad_norm_no_spike", hist({GN: [2.0] * 5 + [50.0], RW: [0.5] * 6}))
+    assert r.passed and "not observed" in r.evidence
+
+
+# ------------------------------------------------------------------------ staleness_within_bound
+
+
+def test_staleness_bound_from_context_and_params():
+    run = hist({ST: [0, 1, 1, 2], "async/staleness/mean": [0, 0.5, 0.5, 1.0]})
+    r = evaluate_gate("staleness_within_bound", run, context={"max_staleness": 1})
+    assert not r.passed and (r.value, r.threshold, r.window) == (2.0, 1.0, (0, 3))
+    assert "peaked at 2 (step 3) > the bound 1" in r.evidence
+    assert "mean staleness 0.5" in r.evidence
+    # the parameter overrides the context
+    assert evaluate_gate("staleness_within_bound", run, {"max_staleness": 2},
+                         context={"max_staleness": 1}).passed
+    r = evaluate_gate("staleness_within_bound", run)
+    assert r.passed and r.threshold is None and "no bound configured" in r.evidence
+    with pytest.raises(ValueError, match="max_staleness"):
+        evaluate_gate("staleness_within_bound", run, context={"max_staleness": "one"})
+
+
+# ------------------------------------------------------------------------ shared behaviour
+
+
+@pytest.mark.parametrize("name", ALL_GATES)
+def test_empty_and_short_histories_pass_unless_data_is_required(name):
+    for history in ([], hist({LP: [0.01], RW: [0.5], ST: [0]})):
+        r = evaluate_gate(name, history)
+        assert r.passed, r.evidence
+        assert isinstance(r.evidence, str) and r.evidence
+    r = evaluate_gate(name, [], {"require_data": True})
+    if name == "staleness_within_bound":  # no bound, nothing to enforce
+        assert r.passed and "no bound configured" in r.evidence
+    else:
+        assert not r.passed
+    r = evaluate_gate("logprob_diff_flat", [], {"require_data": True})
+    assert r.evidence.startswith("not enough steps (0)")
+
+
+def test_none_values_and_bad_rows_are_ignored():
+    clean = [0.006 + 0.001 * i for i in range(20)]
+    rows = hist({LP: clean})
+    rows.insert(3, {"step": 3, LP: None, "_nonfinite": [LP]})  # a diverged duplicate of step 3
+    rows[4][LP] = clean[3]  # ...that the later row for step 3 overrides
+    rows.append({"step": 20, LP: None})
+    rows.append({"step": 21, LP: "nan?"})
+    rows.append({"no_step": 1, LP: 5.0})
+    a = evaluate_gate("logprob_diff_flat", rows)
+    b = evaluate_gate("logprob_diff_flat", hist({LP: clean}))
+    assert a.value == pytest.approx(b.value) and a.window == b.window == (0, 19)
+
+
+def test_eval_only_rows_are_ignored_by_training_gates():
+    rows = hist({ENT: [0.5] * 8})
+    # an eval-only row carrying a training key must not count as a training step
+    rows.insert(6, {"step": 6, ENT: 100.0, "step/eval_only": 1.0})
+    r = evaluate_gate("entropy_no_blowup", rows)
+    assert r.passed and r.value == pytest.approx(1.0)
+    assert summarize(rows)[ENT] == pytest.approx(0.5)
+
+
+def test_unknown_gate_lists_the_valid_gates():
+    for call in (lambda: check_params("logprob_flat", {}), lambda: gate_params("nope"),
+                 lambda: evaluate_gate("nope", [])):
+        with pytest.raises(KeyError) as err:
+            call()
+        message = str(err.value)
+        assert all(g in message for g in ALL_GATES)
+
+
+def test_unknown_or_bad_params_name_the_param_and_the_fix():
+    with pytest.raises(ValueError) as err:
+        check_params("logprob_diff_flat", {"max_slop": 0.001})
+    msg = str(err.value)
+    assert "'max_slop'" in msg and "did you mean 'max_slope'" in msg
+    assert "max_slope, min_rise, max_level, max_ratio, tail, require_data" in msg
+    with pytest.raises(ValueError, match=r"'max_ratio' must be a finite number.*default 1\.5"):
+        check_params("logprob_diff_flat", {"max_ratio": "1.5x"})
+    with pytest.raises(ValueError, match="'drop' must be > 0 and ≤ 1"):
+        check_params("reward_not_collapsed", {"drop": 1.5})
+    with pytest.raises(ValueError, match="'window' must be a whole number"):
+        check_params("entropy_no_blowup", {"window": 2.5})
+    with pytest.raises(ValueError, match="'require_data' must be true or false"):
+        check_params("is_health", {"require_data": "yes"})
+    with pytest.raises(ValueError, match="'factor' must be a finite number"):
+        check_params("grad_norm_no_spike", {"factor": True})
+    with pytest.raises(ValueError, match="relative_to"):
+        check_params("logprob_diff_flat", {"relative_to": "baseline"})
+
+
+def test_check_params_fills_defaults_and_coerces():
+    out = check_params("entropy_no_blowup", {"window": 3.0, "spike_factor": 3})
+    assert out == {"spike_factor": 3.0, "window": 3, "require_data": False}
+    assert isinstance(out["window"], int)
+    assert check_params("staleness_within_bound", {"max_staleness": None})["max_staleness"] \
+        is None
+    for name in ALL_GATES:
+        assert check_params(name, {}) == gate_params(name)
+
+
+def test_documented_defaults():
+    assert gate_params("logprob_diff_flat")["max_level"] == 0.05
+    assert gate_params("logprob_diff_flat")["max_ratio"] == 1.5
+    assert gate_params("entropy_no_blowup") == {"spike_factor": 2.0, "window": 5,
+                                                "require_data": False}
+    assert gate_params("reward_not_collapsed")["drop"] == 0.3
+    assert gate_params("no_length_surge")["max_rise"] == 0.2
+    assert Thresholds().length_surge_ratio - 1 == pytest.approx(0.2)
+    assert gate_params("no_length_surge")["window"] == 100
+    assert gate_params("grad_norm_no_spike") == {"factor": 10.0, "window": 5, "after": 5,
+                                                 "require_data": False}
+
+
+def test_evaluate_gates_validates_everything_first_and_keeps_order():
+    run = hist({LP: [0.02] * 8, ENT: [0.5] * 8})
+    results = evaluate_gates([("entropy_no_blowup", {}), ("logprob_diff_flat", {"tail": 0.5})],
+                             run)
+    assert [r.name for r in results] == ["entropy_no_blowup", "logprob_diff_flat"]
+    assert results[1].params["tail"] == 0.5
+    with pytest.raises(ValueError):
+        evaluate_gates([("entropy_no_blowup", {}), ("is_health", {"bogus": 1})], run)
+
+
+def test_result_to_dict_is_json():
+    r = evaluate_gate("logprob_diff_flat", hist({LP: [0.08] * 8}))
+    d = r.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["window"] == [6, 7] and d["passed"] is False
+    assert GateResult("x", True, math.inf, None, None, "e", {}).to_dict()["value"] is None
+
+
+# ------------------------------------------------------------------------ summarize
+
+
+def test_summarize_arithmetic():
+    rows = [{"step": 0, EV: 0.2, "step/eval_only": 1.0}]
+    rows += hist({LP: [0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.02, 0.04], RW: list(range(8))})
+    rows[5][EV] = 0.4
+    rows[8][EV] = 0.6
+    rows[8]["time"] = 12345.0
+    rows[7][RW] = None
+    s = summarize(rows)
+    # 8 training rows → the last ceil(0.25·8) = 2 points: reward 7 (step 6 is None → steps 5, 7)
+    assert s[RW] == pytest.approx((5 + 7) / 2)
+    assert s[LP] == pytest.approx((0.02 + 0.04) / 2)
+    # eval has 3 points (0.2, 0.4, 0.6) → the last ceil(0.75) = 1: 0.6
+    assert s[EV] == pytest.approx(0.6)
+    # least-squares slope of LP over steps 0–7: x̄ = 3.5, ȳ = 0.015,
+    # Σ(x−x̄)(y−ȳ) = 2.5·0.005 + 3.5·0.025 − 0.005·(−3.5 − 2.5 − 1.5 − 0.5 + 0.5 + 1.5) = 0.13,
+    # Σ(x−x̄)² = 42 → 0.13 / 42
+    assert s[f"{LP}/slope"] == pytest.approx(0.13 / 42)
+    assert "time" not in s and "step" not in s and "step/eval_only" not in s
+    assert summarize(rows, tail=0.5)[LP] == pytest.approx((0.01 + 0.01 + 0.02 + 0.04) / 4)
+    assert summarize([]) == {}
+    with pytest.raises(ValueError, match="tail"):
+        summarize(rows, tail=0)
+
+
+# ------------------------------------------------------------------------ diagnosis_for
+
+
+def test_diagnosis_for_a_growing_logprob_diff_names_cause_a():
+    rows = hist({LP: [0.02 + 0.005 * i for i in range(20)], RW: [0.5] * 20})
+    d = diagnosis_for(rows)
+    assert json.loads(json.dumps(d)) == d
+    assert "A" in d["causes"]
+    finding = next(f for f in d["findings"] if f["cause"] == "A")
+    assert "|Δlogp|" in finding["evidence"][0] and "FP16" in finding["fix"]
+    assert not d["healthy"]
+    assert "logprob_diff_flat" in [g["name"] for g in d["failed_gates"]]
+    assert d["window"] == [0, 19]
+
+
+def test_diagnosis_for_runs_the_decision_tree_on_last_window_means():
+    # ESS tail mean 0.2 < 0.5 → D; < 0.3 → the systems-fix rung; kl 0.08 > 0.05 → A
+    rows = hist({"is/combined/ess": [0.9] * 6 + [0.2, 0.2], "mismatch/kl_k1": [0.08] * 8,
+                 "mismatch/chi2_token": [0.5] * 8})
+    d = diagnosis_for(rows)
+    assert d["causes"] == ["A", "D"]
+    assert d["escalation"] == "systems_fix" and "fix the system" in d["escalation_text"]
+    assert any("is/combined/ess = 0.2 < 0.5" in e for f in d["findings"] for e in f["evidence"])
+    assert diagnosis_for([])["causes"] == []
+
+
+# ------------------------------------------------------------------------ real runs
+
+
+def test_jsonl_round_trip(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with JsonlSink(path) as sink:
+        for i in range(10):
+            sink.log(i, {LP: 0.006 + 0.001 * i if i != 4 else float("nan")})
+    r = evaluate_gate("logprob_diff_flat", read_metrics(path), {"min_rise": 0.001})
+    assert not r.passed and r.window == (0, 9)
+
+
+REAL_RUNS = sorted(glob.glob("/tmp/rt/*/metrics.jsonl"))
+
+
+@pytest.mark.skipif(not REAL_RUNS, reason="no runtime metrics files under /tmp/rt")
+@pytest.mark.parametrize("path", REAL_RUNS)
+def test_every_gate_runs_on_real_metrics(path):
+    history = read_metrics(path)
+    reference = summarize(history)
+    results = evaluate_gates([(n, {}) for n in gate_names()], history, reference=reference,
+                             context={"max_staleness": 1})
+    assert len(results) == len(ALL_GATES)
+    for r in results:
+        json.dumps(r.to_dict())
+    json.dumps(diagnosis_for(history))

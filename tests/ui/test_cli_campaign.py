@@ -1,0 +1,194 @@
+"""`asyncrl campaign …` / `registry …` / `gates` / `diagnose` / `schema campaign`: malformed
+campaign files each give one `error:` line and a non-zero exit, never a traceback; the read-only
+commands work on a registry and a run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ui.cli import app
+
+runner = CliRunner()
+
+GOOD = {
+    "name": "c",
+    "base": {"steps": 2},
+    "stages": [{"name": "baseline", "gates": [{"name": "reward_not_collapsed"}]},
+               {"name": "next", "overrides": {"async": {"mode": "one_step"}},
+                "gates": [{"name": "logprob_diff_flat", "relative_to": "baseline"}]}],
+}
+
+
+def _with(path: str, value):
+    """GOOD with one field replaced (dotted path; list indices as numbers)."""
+    data = json.loads(json.dumps(GOOD))
+    node = data
+    parts = path.split(".")
+    for p in parts[:-1]:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return data
+
+
+BAD: list[tuple[str, object]] = [
+    # top level
+    ("not a mapping", ["a", "b"]),
+    ("scalar", 42),
+    ("missing name", {k: v for k, v in GOOD.items() if k != "name"}),
+    ("missing base", {k: v for k, v in GOOD.items() if k != "base"}),
+    ("missing stages", {k: v for k, v in GOOD.items() if k != "stages"}),
+    ("empty stages", _with("stages", [])),
+    ("unknown top field", {**GOOD, "stagez": []}),
+    ("name with spaces", _with("name", "my campaign")),
+    ("name too long", _with("name", "x" * 80)),
+    ("name wrong type", _with("name", ["a"])),
+    ("stages wrong type", _with("stages", "baseline")),
+    ("base wrong type", _with("base", 3)),
+    ("base missing file", _with("base", "no/such/recipe.yaml")),
+    # stages
+    ("stage missing name", _with("stages.0", {"gates": []})),
+    ("stage unknown field", _with("stages.0", {"name": "a", "gatez": []})),
+    ("duplicate stage names", _with("stages.1.name", "baseline")),
+    ("stage name bad chars", _with("stages.0.name", "base line!")),
+    ("stage steps zero", _with("stages.0", {"name": "a", "steps": 0})),
+    ("stage steps negative", _with("stages.0", {"name": "a", "steps": -3})),
+    ("stage steps string", _with("stages.0", {"name": "a", "steps": "many"})),
+    ("unknown promotion rule", _with("stages.0", {"name": "a", "promotion": "best"})),
+    ("empty candidates", _with("stages.0", {"name": "a", "candidates": []})),
+    ("duplicate candidates", _with("stages.0", {"name": "a", "candidates": [
+        {"name": "x"}, {"name": "x"}]})),
+    ("candidate unknown field", _with("stages.0", {"name": "a", "candidates": [
+        {"name": "x", "override": {}}]})),
+    ("candidate bad name", _with("stages.0", {"name": "a", "candidates": [{"name": "x y"}]})),
+    ("overrides wrong type", _with("stages.0", {"name": "a", "overrides": [1, 2]})),
+    # gates
+    ("unknown gate", _with("stages.0.gates", [{"name": "no_such_gate"}])),
+    ("gate unknown param", _with("stages.0.gates", [{"name": "reward_not_collapsed",
+                                                     "params": {"dropp": 0.3}}])),
+    ("gate param wrong type", _with("stages.0.gates", [{"name": "reward_not_collapsed",
+                                                        "params": {"drop": "lots"}}])),
+    ("gate param out of range", _with("stages.0.gates", [{"name": "reward_not_collapsed",
+                                                          "params": {"drop": 7}}])),
+    ("gate missing name", _with("stages.0.gates", [{"params": {}}])),
+    ("gate unknown field", _with("stages.0.gates", [{"name": "is_health", "when": "always"}])),
+    ("relative_to unknown stage", _with("stages.1.gates", [
+        {"name": "logprob_diff_flat", "relative_to": "nope"}])),
+    ("relative_to itself", _with("stages.1.gates", [
+        {"name": "logprob_diff_flat", "relative_to": "next"}])),
+    ("relative_to later stage", _with("stages.0.gates", [
+        {"name": "logprob_diff_flat", "relative_to": "next"}])),
+    ("gates wrong type", _with("stages.0.gates", "all")),
+    # recipes built from the overrides
+    ("unknown loss", _with("stages.1.overrides", {"algorithm": {"loss": {"name": "ppo2"}}})),
+    ("unknown advantage", _with("stages.1.overrides", {"algorithm": {"advantage": {
+        "estimator": "gae2"}}})),
+    ("unknown preset", _with("stages.1.overrides", {"algorithm": {"correction": {
+        "kind": "preset", "name": "magic"}}})),
+    ("unknown correction kind", _with("stages.1.overrides", {"algorithm": {"correction": {
+        "kind": "fancy"}}})),
+    ("unknown async mode", _with("stages.1.overrides", {"async": {"mode": "turbo"}})),
+    ("negative staleness", _with("stages.1.overrides", {"async": {
+        "mode": "fully_async", "staleness_threshold": -1}})),
+    ("r3 on dense", _with("stages.1.overrides", {"algorithm": {"routing_replay": "r3"}})),
+    ("icepop bounds swapped", _with("stages.1.overrides", {"algorithm": {"correction": {
+        "kind": "compis", "engine": {"method": "icepop", "lower": 5, "upper": 0.5}}}})),
+    ("compis with bypass", _with("stages.1.overrides", {"algorithm": {
+        "old_logprob": "bypass", "correction": {"kind": "compis"}}})),
+    ("one_step drops everything", _with("stages.1.overrides", {"async": {
+        "mode": "one_step", "max_off_policy_steps": 0}})),
+    ("unknown recipe field", _with("stages.1.overrides", {"optimizer": {"lr": 1}})),
+    ("lr negative", _with("stages.1.overrides", {"optim": {"lr": -1}})),
+    ("group size zero", _with("stages.1.overrides", {"rollout": {"n": 0}})),
+    ("temperature zero", _with("stages.1.overrides", {"rollout": {"temperature": 0}})),
+    ("unknown task", _with("stages.1.overrides", {"task": {"name": "chess"}})),
+    ("unknown KL estimator", _with("stages.1.overrides", {"algorithm": {"kl": {
+        "estimator": "k9"}}})),
+    ("candidate bad override", _with("stages.1", {"name": "next", "candidates": [
+        {"name": "a"}, {"name": "b", "overrides": {"rollout": {"top_p": 2}}}]})),
+    ("base recipe invalid", _with("base", {"steps": 0})),
+    ("base recipe unknown field", _with("base", {"stepz": 2})),
+]
+
+
+@pytest.mark.parametrize("label,data", BAD, ids=[b[0] for b in BAD])
+def test_malformed_campaigns_fail_in_one_line(tmp_path, label, data):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = runner.invoke(app, ["campaign", "launch", str(path)])
+    assert res.exit_code != 0, label
+    assert res.exception is None or isinstance(res.exception, SystemExit), label
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), (label, res.stderr)
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("text", ["stages: [\n", "name: a\n  base: b\n", "\t- x", "a: b: c"])
+def test_bad_yaml_names_the_line(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    res = runner.invoke(app, ["campaign", "launch", str(path)])
+    assert res.exit_code == 1
+    assert res.stderr.startswith("error: ") and "YAML" in res.stderr
+
+
+def test_missing_campaign_file(tmp_path):
+    res = runner.invoke(app, ["campaign", "launch", str(tmp_path / "nope.yaml")])
+    assert res.exit_code == 1 and "does not exist" in res.stderr
+
+
+def test_shipped_campaigns_validate():
+    from registry.campaign import load_campaign
+
+    root = Path(__file__).resolve().parents[2] / "campaigns"
+    files = sorted(root.glob("*.yaml"))
+    assert any(f.name == "quick.yaml" for f in files)
+    for f in files:
+        campaign, base = load_campaign(f)
+        assert campaign.stages and base
+
+
+def test_schema_campaign():
+    res = runner.invoke(app, ["schema", "campaign"])
+    assert res.exit_code == 0
+    schema = json.loads(res.stdout)
+    assert {"name", "base", "stages"} <= set(schema["properties"])
+
+
+def test_registry_commands_on_an_empty_registry(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("ASYNCRL_REGISTRY_URL", raising=False)
+    assert runner.invoke(app, ["campaign", "list", "--json"]).stdout.strip() == "[]"
+    res = runner.invoke(app, ["campaign", "status"])
+    assert res.exit_code == 1 and "no campaigns yet" in res.stderr
+    res = runner.invoke(app, ["campaign", "resume", "nope"])
+    assert res.exit_code == 1 and "no campaign 'nope'" in res.stderr
+    res = runner.invoke(app, ["registry", "show", "abc"])
+    assert res.exit_code == 1 and "no recipe" in res.stderr
+    res = runner.invoke(app, ["registry", "retire", "7", "--reason", "x"])
+    assert res.exit_code == 1 and res.stderr.startswith("error: ")
+
+
+def test_gates_and_diagnose_on_a_run_directory(tmp_path):
+    rows = [{"step": s, "rollout/reward_mean": 0.5, "mismatch/logprob_abs_diff/mean":
+             0.005 + 0.01 * s, "policy/entropy/mean": 0.2, "async/staleness/max": 0}
+            for s in range(8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(app, ["gates", str(tmp_path), "--gate", "logprob_diff_flat"])
+    assert res.exit_code == 3  # a failing gate
+    assert res.stdout.startswith("FAIL logprob_diff_flat")
+    res = runner.invoke(app, ["gates", str(tmp_path), "--gate", "reward_not_collapsed",
+                              "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)[0]["passed"] is True
+    res = runner.invoke(app, ["diagnose", str(tmp_path), "--json"])
+    assert res.exit_code == 0 and "A" in json.loads(res.stdout)["causes"]
+    res = runner.invoke(app, ["gates", str(tmp_path / "nope")])
+    assert res.exit_code == 1 and "no metrics.jsonl" in res.stderr

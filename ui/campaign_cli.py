@@ -1,0 +1,408 @@
+"""`asyncrl campaign …`, `asyncrl registry …`, `asyncrl gates`, `asyncrl diagnose`,
+`asyncrl schema campaign`: the platform commands (lazy imports, one-line errors)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+campaign_app = typer.Typer(help="Run staged campaigns (Prefect flows) and inspect them.",
+                           no_args_is_help=True)
+registry_app = typer.Typer(help="The recipe registry: promoted recipes and checkpoints.",
+                           no_args_is_help=True)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _prefect_env() -> None:
+    """Prefect keeps its state (ephemeral API database, results) under the state directory and
+    logs warnings only; set before prefect is imported."""
+    from training.paths import state_dir
+
+    os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))
+    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(state_dir() / "prefect" / "storage"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def _db(url: str | None = None):
+    from registry.db import RegistryDB, RegistryError
+
+    try:
+        return RegistryDB(url)
+    except RegistryError as e:
+        _fail(str(e))
+
+
+# --- campaign -----------------------------------------------------------------------------------
+
+
+def _live_table(state: dict[tuple[str, str], dict[str, Any]]):
+    from rich.table import Table
+
+    t = Table(title="campaign", expand=False)
+    for col in ("stage", "candidate", "state", "reward", "eval", "|Δlogp|", "staleness",
+                "failed gates"):
+        t.add_column(col)
+    for (stage, cand), row in state.items():
+        s = row.get("summary") or {}
+
+        def f(key: str, s: dict = s) -> str:
+            v = s.get(key)
+            return "—" if v is None else f"{v:.3g}"
+
+        failed = ", ".join(g["name"] for g in row.get("gates", []) if not g["passed"])
+        t.add_row(stage, cand, row.get("status", ""), f("rollout/reward_mean"),
+                  f("eval/reward_mean"), f("mismatch/logprob_abs_diff/mean"),
+                  f("async/staleness/mean"), failed)
+    return t
+
+
+def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
+    _prefect_env()
+    from rich.console import Console
+    from rich.live import Live
+
+    from flows import campaign as cflow
+    from registry.campaign import CampaignError
+    from registry.db import RegistryError
+    from training.recipe import RecipeError
+    from training.runtime.run import RunError
+
+    console = Console(stderr=as_json)
+    state: dict[tuple[str, str], dict[str, Any]] = {}
+
+    with Live(_live_table({}), console=console, refresh_per_second=4,
+              transient=False) as live:
+        def on_event(ev: dict[str, Any]) -> None:
+            if ev.get("kind") == "candidate":
+                row = state.setdefault((ev["stage"], ev["candidate"]), {})
+                row.update({k: v for k, v in ev.items() if k in ("status", "summary", "gates")})
+            elif ev.get("kind") == "promoted":
+                state.setdefault((ev["stage"], ev["candidate"]), {})["status"] = "promoted"
+            elif ev.get("kind") == "stage" and str(ev.get("status", "")).startswith("promoted"):
+                state.setdefault((ev["stage"], "(earlier)"), {})["status"] = ev["status"]
+            live.update(_live_table(state))
+
+        cflow.EVENT_LISTENERS.append(on_event)
+        try:
+            out = cflow.campaign_flow(str(path), campaign_id)
+        except (CampaignError, RecipeError, RunError, RegistryError) as e:
+            live.stop()
+            _fail(f"{e} (campaign {campaign_id}; resume with: asyncrl campaign resume "
+                  f"{campaign_id})")
+        except KeyboardInterrupt:
+            live.stop()
+            _fail(f"interrupted; resume with: asyncrl campaign resume {campaign_id}", 130)
+        finally:
+            cflow.EVENT_LISTENERS.remove(on_event)
+    _print_outcome(console, out, as_json)
+    if out["status"] != "finished":
+        raise typer.Exit(2)
+
+
+def _print_outcome(console, out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(out, indent=2, default=str))
+        return
+    from flows.tracking import default_tracking_uri
+    from registry.db import default_url
+
+    console.print(f"campaign [bold]{out['campaign_id']}[/]: {out['status']} — {out['verdict']}")
+    for stage, p in out.get("promoted", {}).items():
+        console.print(f"  {stage}: promoted {p['candidate']} (recipe {p['recipe_hash']}, MLflow "
+                      f"version {p.get('mlflow_version')}) → {p['checkpoint']}")
+    diag = out.get("diagnosis")
+    if diag:
+        for f in diag.get("findings", []):
+            console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
+                          f"fix: {f.get('fix')}")
+    console.print(f"where to look: `asyncrl campaign status {out['campaign_id']}`; MLflow: "
+                  f"`mlflow ui --backend-store-uri {default_tracking_uri()}` (or `asyncrl up`); "
+                  f"registry: {default_url()}")
+
+
+@campaign_app.command("launch")
+def launch(
+    path: Path = typer.Argument(..., metavar="CAMPAIGN.yaml", help="Campaign file."),
+    campaign_id: str | None = typer.Option(None, "--id", help="Campaign id (default: "
+                                           "<name>-<time>-<random>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
+) -> None:
+    """Validate the campaign, record it in the registry and run its flow (Prefect, in-process).
+    Exit code 0: every stage promoted; 2: a stage had no passing candidate (see the verdict)."""
+    from registry.campaign import CampaignError, load_campaign
+
+    try:
+        campaign, _ = load_campaign(path)
+    except CampaignError as e:
+        _fail(str(e))
+    from flows.campaign import new_campaign_id
+
+    _run_flow(path, campaign_id or new_campaign_id(campaign.name), as_json)
+
+
+@campaign_app.command("resume")
+def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
+           as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON.")
+           ) -> None:
+    """Continue a campaign: finished candidates and promotions are kept, an interrupted
+    candidate resumes from its last checkpoint."""
+    db = _db()
+    row = db.get_campaign(campaign_id)
+    db.close()
+    if row is None:
+        _fail(f"no campaign {campaign_id!r} in the registry; `asyncrl campaign list` shows them")
+    path = Path(row["spec"].get("path", ""))
+    if not path.is_file():
+        _fail(f"the campaign file {path} of {campaign_id} is gone; restore it to resume")
+    _run_flow(path, campaign_id, as_json)
+
+
+@campaign_app.command("list")
+def list_campaigns(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Campaigns in the registry, newest first."""
+    db = _db()
+    rows = db.list_campaigns()
+    db.close()
+    rows = sorted(rows, key=lambda r: r.get("created_at") or "", reverse=True)
+    if as_json:
+        typer.echo(json.dumps([{k: r[k] for k in ("id", "name", "status", "verdict",
+                                                   "created_at")} for r in rows], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table()
+    for c in ("id", "name", "status", "created", "verdict"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["id"], r["name"], r["status"], (r.get("created_at") or "")[:19],
+                  (r.get("verdict") or "")[:80])
+    Console().print(t)
+
+
+@campaign_app.command("status")
+def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (default: the "
+                                                     "newest)."),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Stages, candidates, gate results and promotions of a campaign."""
+    db = _db()
+    if campaign_id is None:
+        rows = sorted(db.list_campaigns(), key=lambda r: r.get("created_at") or "")
+        if not rows:
+            _fail("no campaigns yet; start one with `asyncrl campaign launch campaigns/quick.yaml`")
+        campaign_id = rows[-1]["id"]
+    row = db.get_campaign(campaign_id)
+    if row is None:
+        _fail(f"no campaign {campaign_id!r}; `asyncrl campaign list` shows them")
+    data = {"id": row["id"], "name": row["name"], "status": row["status"],
+            "verdict": row.get("verdict"), "diagnosis": row.get("diagnosis"),
+            "stages": db.stages(campaign_id), "runs": [], "promotions":
+            db.promotions(campaign_id=campaign_id)}
+    for r in db.runs(campaign_id):
+        data["runs"].append({**{k: r[k] for k in ("id", "stage", "candidate", "recipe_hash",
+                                                   "status", "run_dir", "mlflow_run_id")},
+                             "gates": db.gate_results(r["id"]),
+                             "summary": r.get("summary") or {}})
+    db.close()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"campaign [bold]{data['id']}[/] ({data['name']}): {data['status']}"
+              + (f" — {data['verdict']}" if data.get("verdict") else ""))
+    t = Table()
+    for c in ("stage", "candidate", "status", "reward", "eval", "gates"):
+        t.add_column(c)
+    for r in data["runs"]:
+        s = r["summary"]
+        gates = " ".join(("✓" if g["passed"] else "✗") + g["name"] for g in r["gates"])
+        t.add_row(r["stage"], r["candidate"], r["status"],
+                  _num(s.get("rollout/reward_mean")), _num(s.get("eval/reward_mean")), gates)
+    con.print(t)
+    for p in data["promotions"]:
+        con.print(f"promoted {p['stage']}: {p['candidate']} (recipe {p['recipe_hash']}, "
+                  f"{p['status']}, by {p['actor']}: {p['reason']})")
+
+
+def _num(v: Any) -> str:
+    return "—" if v is None else f"{float(v):.3g}"
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+@registry_app.command("list")
+def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
+                  all_: bool = typer.Option(False, "--all", help="Include retired ones."),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """Promoted recipes (active ones unless --all)."""
+    db = _db()
+    rows = db.promotions(campaign_id=campaign_id, status=None if all_ else "active")
+    db.close()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table()
+    for c in ("id", "campaign", "stage", "candidate", "recipe", "status", "by", "reason"):
+        t.add_column(c)
+    for p in rows:
+        t.add_row(str(p["id"]), p.get("campaign_id") or "—", p.get("stage") or "—",
+                  p["candidate"], p["recipe_hash"], p["status"], p["actor"],
+                  (p.get("reason") or "")[:60])
+    Console().print(t)
+
+
+@registry_app.command("show")
+def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -> None:
+    """Print a registered recipe (YAML) and its promotions."""
+    db = _db()
+    row = db.get_recipe(recipe_hash)
+    promos = [p for p in db.promotions() if p["recipe_hash"] == recipe_hash]
+    db.close()
+    if row is None:
+        _fail(f"no recipe {recipe_hash!r} in the registry; `asyncrl registry list` shows the "
+              "promoted ones")
+    typer.echo(f"# recipe {recipe_hash} ({row['name']})")
+    typer.echo(row["yaml"])
+    for p in promos:
+        typer.echo(f"# promoted: {p.get('campaign_id')}/{p.get('stage')} {p['candidate']} "
+                   f"({p['status']}, by {p['actor']}: {p['reason']})")
+
+
+@registry_app.command("promote")
+def registry_promote(
+    recipe_hash: str = typer.Argument(..., help="Recipe hash (it must be registered)."),
+    reason: str = typer.Option(..., "--reason", help="Why (recorded)."),
+    checkpoint: str | None = typer.Option(None, "--checkpoint", help="HF checkpoint dir."),
+    campaign_id: str | None = typer.Option(None, "--campaign"),
+    stage: str | None = typer.Option(None, "--stage"),
+    candidate: str = typer.Option("manual", "--candidate"),
+    actor: str | None = typer.Option(None, "--by", help="Who (default: $USER)."),
+) -> None:
+    """Promote a recipe by hand (a person's decision, recorded with who and why)."""
+    from registry.db import RegistryError
+
+    db = _db()
+    if db.get_recipe(recipe_hash) is None:
+        _fail(f"no recipe {recipe_hash!r} in the registry")
+    try:
+        pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
+                         campaign_id=campaign_id, stage=stage,
+                         actor=actor or os.environ.get("USER", "user"), reason=reason)
+    except RegistryError as e:
+        _fail(str(e))
+    db.close()
+    typer.echo(f"promotion {pid}: {recipe_hash}")
+
+
+@registry_app.command("retire")
+def registry_retire(promotion_id: int = typer.Argument(..., help="Promotion id."),
+                    reason: str = typer.Option(..., "--reason", help="Why (recorded)."),
+                    actor: str | None = typer.Option(None, "--by")) -> None:
+    """Retire a promotion (kept in the history with who and why)."""
+    from registry.db import RegistryError
+
+    db = _db()
+    try:
+        db.retire(promotion_id, actor=actor or os.environ.get("USER", "user"), reason=reason)
+    except RegistryError as e:
+        _fail(str(e))
+    db.close()
+    typer.echo(f"promotion {promotion_id} retired")
+
+
+# --- gates / diagnose / schema ------------------------------------------------------------------
+
+
+def _history(run: Path) -> list[dict[str, Any]]:
+    from training.runtime.sinks import read_metrics
+
+    path = run / "metrics.jsonl" if run.is_dir() else run
+    if not path.is_file():
+        _fail(f"{run} has no metrics.jsonl; pass a run directory written by asyncrl train or a "
+              "campaign")
+    try:
+        return read_metrics(path)
+    except ValueError as e:
+        _fail(f"{path}: {e}")
+    return []
+
+
+def gates_cmd(
+    run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
+    gate: list[str] = typer.Option([], "--gate", help="Only these gates (default: all, with "
+                                   "their default parameters)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Evaluate stability gates on a run's metric history."""
+    from registry.gates import evaluate_gate, gate_names
+
+    history = _history(run)
+    names = gate or gate_names()
+    try:
+        results = [evaluate_gate(n, history).to_dict() for n in names]
+    except (KeyError, ValueError) as e:
+        _fail(str(e.args[0]) if e.args else str(e))
+    if as_json:
+        typer.echo(json.dumps(results, indent=2))
+        return
+    for r in results:
+        typer.echo(f"{'PASS' if r['passed'] else 'FAIL'} {r['name']}: {r['evidence']}")
+    if not all(r["passed"] for r in results):
+        raise typer.Exit(3)
+
+
+def diagnose_cmd(
+    run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The decision tree of seed 001 (causes A–F, evidence, fix) on a run's metrics."""
+    from registry.gates import diagnosis_for
+
+    diag = diagnosis_for(_history(run))
+    if as_json:
+        typer.echo(json.dumps(diag, indent=2, default=str))
+        return
+    typer.echo(diag.get("summary", ""))
+    for f in diag.get("findings", []):
+        typer.echo(f"cause {f.get('cause')}: {f.get('title')}\n  evidence: {f.get('evidence')}\n"
+                   f"  fix: {f.get('fix')}")
+    if diag.get("escalation_text"):
+        typer.echo(f"escalation: {diag['escalation_text']}")
+
+
+def schema_campaign(out: Path | None = typer.Option(None, "--out", help="Write to FILE.")) -> None:
+    """JSON schema of the campaign YAML."""
+    from registry.campaign import campaign_json_schema
+
+    text = json.dumps(campaign_json_schema(), indent=2)
+    if out is None:
+        typer.echo(text)
+    else:
+        out.write_text(text + "\n")
+        typer.echo(f"wrote {out}")
+
+
+def register(app: typer.Typer, schema_app: typer.Typer) -> None:
+    """Attach these commands to the main CLI."""
+    app.add_typer(campaign_app, name="campaign")
+    app.add_typer(registry_app, name="registry")
+    app.command("gates")(gates_cmd)
+    app.command("diagnose")(diagnose_cmd)
+    schema_app.command("campaign")(schema_campaign)
