@@ -160,6 +160,7 @@ class Runtime:
             train_time_s=0.0, sync_time_s=0.0, sync_wait_s=0.0, eval_time_s=0.0,
             wall_time_s=0.0)
         self.init_dir: Path | None = None
+        self._sigint = False
         self.last_eval: dict[str, float] = {}
         self._last_synced: int | None = None
         self.synced_versions: list[int] = []
@@ -238,8 +239,10 @@ class Runtime:
         sink = MultiSink([JsonlSink(metrics_path, append=resume_state is not None),
                           *self.extra_sinks])
         interrupted = False
+        restore: Callable[[], None] = lambda: None  # noqa: E731
         try:
             ray = self._ray()
+            restore = self._catch_sigint()  # after ray.init, which may install its own handler
             urls = self._start_servers(engine_dir)
             version0 = int(read_meta(engine_dir).get("weight_version", 0))
             self._create_actors(ray, urls, trainer_resume, resume_state, version0)
@@ -253,6 +256,8 @@ class Runtime:
                 sink.log(0, {**m, "step/eval_only": 1.0})
             t_start = time.monotonic() - self.counters["wall_time_s"]
             while self.step < self.total_steps:
+                if self._sigint:  # a Ctrl-C whose KeyboardInterrupt was lost inside a library
+                    raise KeyboardInterrupt
                 metrics = self._one_step(ray)
                 self.counters["wall_time_s"] = time.monotonic() - t_start
                 metrics["async/trainer_idle_ratio"] = (
@@ -272,6 +277,7 @@ class Runtime:
             interrupted = True
             log.warning("interrupted: stopping the run (resume from the last checkpoint)")
         finally:
+            restore()
             sink.close()
             self._shutdown()
         summary = _summarise(metrics_path, self.counters, self.step)
@@ -280,6 +286,30 @@ class Runtime:
                          trainer_checkpoint=self.run_dir / CHECKPOINT_DIR / "trainer",
                          metrics_path=metrics_path, summary=summary, steps_done=self.step,
                          interrupted=interrupted)
+
+    def _catch_sigint(self) -> Callable[[], None]:
+        """Remember a Ctrl-C in a flag as well as raising KeyboardInterrupt, so the run stops at
+        the next step even if a library swallowed the exception (main thread only; returns the
+        function that restores the previous handler)."""
+        import signal
+        import threading
+
+        self._sigint = False
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is signal.SIG_IGN:  # the caller asked to ignore Ctrl-C: keep it so
+            return lambda: None
+
+        def handler(signum: int, frame: Any) -> None:
+            self._sigint = True
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, handler)
+        return lambda: signal.signal(signal.SIGINT, previous)
 
     def _create_actors(self, ray: Any, urls: list[str], trainer_resume: str | None,
                        resume_state: dict[str, Any] | None, version0: int) -> None:

@@ -1,0 +1,264 @@
+"""`asyncrl up` / `down` / `deploy` / `compare`: `up` starts a real MLflow server (only MLflow,
+to stay cheap) and `down` stops exactly it; user errors are one `error:` line and exit 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from ui import services_cli
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def cli() -> typer.Typer:
+    """A CLI with just these commands (the main one wires them in with ``register``)."""
+    app = typer.Typer()
+    services_cli.register(app)
+    return app
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "ASYNCRL_REGISTRY_URL",
+                "ASYNCRL_MLFLOW_UI_URL"):
+        monkeypatch.delenv(var, raising=False)
+    yield tmp_path / "home"
+    # whatever a failed test left running that `up` started: stop it, by its recorded group
+    record = tmp_path / "home" / "services.json"
+    if record.is_file():
+        for entry in json.loads(record.read_text()).values():
+            if services_cli._is_ours(entry):
+                services_cli._stop_groups([entry["pgid"]], grace=5.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+# --- up / down ----------------------------------------------------------------------------------
+
+
+def test_up_mlflow_then_down(cli, home: Path) -> None:
+    port = _free_port()
+    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    assert r.exit_code == 0, r.output
+    assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in r.stdout
+    record = json.loads((home / "services.json").read_text())
+    assert set(record) == {"mlflow"}
+    entry = record["mlflow"]
+    pid = entry["pid"]
+    assert entry["port"] == port and entry["url"] == f"http://127.0.0.1:{port}"
+    assert "--workers" in entry["command"] and "127.0.0.1" in entry["command"]
+    assert (home / "logs" / "mlflow-server.log").is_file()
+    assert services_cli._answers(f"http://127.0.0.1:{port}/health")
+    assert os.getpgid(pid) == pid  # its own process group: `down` signals only that
+
+    again = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    assert again.exit_code == 0, again.output
+    assert "already running" in again.stdout
+    assert json.loads((home / "services.json").read_text())["mlflow"]["pid"] == pid
+
+    r = runner.invoke(cli, ["down"])
+    assert r.exit_code == 0, r.output
+    assert "mlflow: stopped" in r.stdout
+    assert not services_cli._pid_alive(pid)
+    assert not services_cli._group_alive(pid)
+    assert not (home / "services.json").exists()
+    assert not services_cli._answers(f"http://127.0.0.1:{port}/health")
+
+
+def test_down_with_nothing_recorded(cli, home: Path) -> None:
+    r = runner.invoke(cli, ["down"])
+    assert r.exit_code == 0 and "nothing to stop" in r.stdout
+
+
+def test_down_stale_record_kills_nothing(cli, home: Path) -> None:
+    # PID 1 with a start time that is not its own: never ours, never signalled
+    home.mkdir(parents=True)
+    (home / "services.json").write_text(json.dumps(
+        {"mlflow": {"pid": 1, "pgid": 1, "proc_start": "-1", "port": 1}}))
+    r = runner.invoke(cli, ["down"])
+    assert r.exit_code == 0, r.output
+    assert "stale record" in r.stdout
+    assert not (home / "services.json").exists()
+
+
+def test_up_busy_port(cli, home: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    line = _one_error_line(r)
+    assert str(port) in line and "--mlflow-port" in line
+    assert not (home / "services.json").exists()
+
+
+def test_up_server_exits_early(cli, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = services_cli.service_spec
+
+    def failing(name: str, port: int):
+        spec = real(name, port)
+        spec["command"] = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+        return spec
+
+    monkeypatch.setattr(services_cli, "service_spec", failing)
+    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(_free_port())])
+    line = _one_error_line(r)
+    assert "exited" in line and str(home / "logs" / "mlflow-server.log") in line
+    assert "boom" in (home / "logs" / "mlflow-server.log").read_text()
+    assert not (home / "services.json").exists()
+
+
+def test_up_nothing_to_start(cli, home: Path) -> None:
+    _one_error_line(runner.invoke(cli, ["up", "--no-prefect", "--no-mlflow"]))
+
+
+# --- deploy -------------------------------------------------------------------------------------
+
+
+def test_deploy_malformed_campaign(cli, home: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    line = _one_error_line(runner.invoke(cli, ["deploy", str(bad)]))
+    assert "bad.yaml" in line
+    missing = _one_error_line(runner.invoke(cli, ["deploy", str(tmp_path / "nope.yaml")]))
+    assert "does not exist" in missing
+
+
+def _campaign(tmp_path: Path) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"name": "nightly", "base": {"steps": 2},
+                                    "stages": [{"name": "baseline", "gates": []}]}))
+    return path
+
+
+def test_deploy_needs_prefect_server(cli, home: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _campaign(tmp_path)
+    line = _one_error_line(runner.invoke(cli, ["deploy", str(path)]))
+    assert "PREFECT_API_URL" in line and "asyncrl up" in line
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{_free_port()}/api")
+    line = _one_error_line(runner.invoke(cli, ["deploy", str(path)]))
+    assert "no Prefect server answers" in line and "asyncrl up" in line
+
+
+def test_scheduled_flow_makes_a_new_campaign_id(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from flows import campaign as cflow
+    from flows.deploy import scheduled_campaign_flow
+
+    calls = []
+
+    def fake_run(path, campaign_id, **_):
+        calls.append((path, campaign_id))
+        return cflow.CampaignOutcome(campaign_id, "finished", "ok")
+
+    monkeypatch.setattr(cflow, "run_campaign", fake_run)
+    path = _campaign(tmp_path)
+    first = scheduled_campaign_flow.fn(str(path))
+    second = scheduled_campaign_flow.fn(str(path))
+    assert first["campaign_id"].startswith("nightly-")
+    assert first["campaign_id"] != second["campaign_id"]
+    assert scheduled_campaign_flow.fn(str(path), "nightly-x")["campaign_id"] == "nightly-x"
+    assert calls[0][0] == path
+
+
+# --- compare ------------------------------------------------------------------------------------
+
+
+def _run_dir(root: Path, name: str, summary: dict, recipe: dict) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps(summary))
+    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (d / "metrics.jsonl").write_text("")
+    return d
+
+
+@pytest.fixture
+def two_runs(tmp_path: Path) -> tuple[Path, Path]:
+    recipe = {"name": "r", "optim": {"lr": 1.0e-5, "betas": [0.9, 0.99]},
+              "async": {"mode": "sync"}, "steps": 10}
+    a = _run_dir(tmp_path, "run-a", {"rollout/reward_mean": 0.25, "steps": 10.0}, recipe)
+    b = _run_dir(tmp_path, "run-b", {"rollout/reward_mean": 0.75, "steps": 10.0,
+                                     "eval/reward_mean": 0.5},
+                 {**recipe, "optim": {"lr": 3.0e-5, "betas": [0.9, 0.999]},
+                  "async": {"mode": "one_step", "max_off_policy_steps": 1}})
+    return a, b
+
+
+def test_compare_table(cli, home: Path, two_runs) -> None:
+    a, b = two_runs
+    r = runner.invoke(cli, ["compare", str(a), str(b)])
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for text in ("rollout/reward_mean", "0.25", "0.75", "eval/reward_mean",
+                 "optim.lr", "1e-05", "3e-05", "optim.betas.1", "async.mode", "one_step",
+                 "async.max_off_policy_steps", "(absent)"):
+        assert text in out, (text, out)
+    assert "optim.betas.0" not in out and "MLflow:" not in out
+
+
+def test_compare_json(cli, home: Path, two_runs) -> None:
+    a, b = two_runs
+    r = runner.invoke(cli, ["compare", str(a), str(b), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert set(data) == {"a", "b", "summary", "recipe_diff", "mlflow_compare_url"}
+    assert data["summary"]["rollout/reward_mean"] == {"a": 0.25, "b": 0.75, "delta": 0.5}
+    assert data["summary"]["steps"]["delta"] == 0.0
+    assert data["summary"]["eval/reward_mean"] == {"b": 0.5}
+    assert data["recipe_diff"] == {
+        "async.max_off_policy_steps": {"b": 1},
+        "async.mode": {"a": "sync", "b": "one_step"},
+        "optim.betas.1": {"a": 0.99, "b": 0.999},
+        "optim.lr": {"a": 1e-5, "b": 3e-5},
+    }
+    assert data["mlflow_compare_url"] is None
+
+
+def test_compare_link_from_registry(cli, home: Path, two_runs, monkeypatch) -> None:
+    a, b = two_runs
+    monkeypatch.setattr(services_cli, "_mlflow_run_ids", lambda dirs: ["ra", "rb"])
+    monkeypatch.setenv("ASYNCRL_MLFLOW_UI_URL", "http://127.0.0.1:5999/")
+    data = json.loads(runner.invoke(cli, ["compare", str(a), str(b), "--json"]).stdout)
+    assert data["mlflow_compare_url"] == \
+        'http://127.0.0.1:5999/#/compare-runs?runs=["ra","rb"]'
+
+
+def test_compare_missing_run_dir(cli, home: Path, two_runs, tmp_path: Path) -> None:
+    a, _ = two_runs
+    line = _one_error_line(runner.invoke(cli, ["compare", str(a), str(tmp_path / "nope")]))
+    assert "nope" in line
+    (a / "summary.json").unlink()
+    line = _one_error_line(runner.invoke(cli, ["compare", str(a), str(a)]))
+    assert "summary.json" in line
+
+
+def test_register_adds_the_commands() -> None:
+    app = typer.Typer()
+    services_cli.register(app)
+    names = {c.name for c in app.registered_commands}
+    assert names == {"up", "down", "deploy", "compare"}
