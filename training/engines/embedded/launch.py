@@ -40,17 +40,21 @@ class EmbeddedServer:
             module; ``[sys.executable, "-m", "ui.cli", "engine", "serve"]`` runs the CLI).
         log_path: where stdout/stderr go (default: $ASYNCRL_HOME/logs/engine-PORT-TIME.log).
         env: extra environment variables.
+        watch_parent: the server exits when this process dies (e.g. ``kill -9`` of a run), so it
+            never outlives the run that started it (default server entry only).
     """
 
     def __init__(self, checkpoint: str | Path, port: int | None = None, *, dtype: str = "bf16",
                  logit_noise: float = 0.0, seed: int = 0, max_batch: int = 64, threads: int = 1,
                  entry: Sequence[str] | None = None, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, watch_parent: bool = True) -> None:
         self.checkpoint = str(checkpoint)
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.options = ["--dtype", dtype, "--logit-noise", str(logit_noise), "--seed", str(seed),
                         "--max-batch", str(max_batch), "--threads", str(threads)]
+        if watch_parent and entry is None:  # the server exits if this process is killed
+            self.options += ["--parent-pid", str(os.getpid())]
         self.entry = list(entry or [sys.executable, "-m", "training.engines.embedded.server"])
         if log_path is None:  # logs live in the state directory (DESIGN.md), one per server
             logs = state_dir() / "logs"

@@ -628,12 +628,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is gone (a driver that started the server "
+                             "and was killed without stopping it)")
+
+
+def watch_parent(pid: int, interval_s: float = 1.0) -> None:
+    """Send ourselves SIGTERM (a clean uvicorn shutdown) once process ``pid`` no longer exists:
+    a server started by a run that was ``kill -9``-ed does not outlive it."""
+    import os
+    import signal
+    import threading
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except PermissionError:  # exists, owned by someone else
+                continue
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="asyncrl embedded rollout server")
     add_arguments(parser)
     a = parser.parse_args(argv)
+    if a.parent_pid:
+        watch_parent(a.parent_pid)
     try:
         cfg = ServerConfig(checkpoint=a.checkpoint, host=a.host, port=a.port, dtype=a.dtype,
                            logit_noise=a.logit_noise, seed=a.seed, max_batch=a.max_batch,

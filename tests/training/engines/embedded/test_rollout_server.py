@@ -529,3 +529,37 @@ def test_cli_rejects_a_bad_checkpoint_in_one_line(tmp_path):
     assert res.exit_code == 1
     assert res.output.strip().count("\n") == 0 and "is empty" in res.output
     assert res.output.startswith("error: ")
+
+
+def test_server_exits_when_the_process_that_started_it_is_killed(ckpts, tmp_path):
+    """kill -9 of a run must not leave its engine servers behind (they watch their parent)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from training.engines.embedded.launch import EmbeddedServer\n"
+        f"s = EmbeddedServer({str(ckpts['dense'])!r}).start().wait_ready(60)\n"
+        "print(s.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(driver.stdout.readline())
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(server_pid, signal.SIGKILL)
+            raise AssertionError("the server outlived the killed driver")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
