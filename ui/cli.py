@@ -319,8 +319,10 @@ app.add_typer(schema_app, name="schema")
 
 def _register_platform_commands() -> None:
     from ui.campaign_cli import register
+    from ui.services_cli import register as register_services
 
     register(app, schema_app)
+    register_services(app)
 
 
 _register_platform_commands()

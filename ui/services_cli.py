@@ -342,7 +342,9 @@ def up(
 
 
 def down() -> None:
-    """Stop the servers `asyncrl up` started (their process groups, by recorded PID)."""
+    """Stop the servers `asyncrl up` started (their process groups, by recorded PID; SIGTERM,
+    SIGKILL after 15 s). Stop `asyncrl deploy` processes (Ctrl-C) first: served flows hang when
+    their server goes away."""
     record = _load_record()
     if not record:
         typer.echo("nothing to stop")
@@ -394,8 +396,10 @@ def deploy(
         try:
             CronSchedule(cron=cron)
         except ValueError as e:  # pydantic's ValidationError is a ValueError
-            _fail(f"--cron {cron!r} is not a valid cron expression "
-                  f"({str(e).splitlines()[-1].strip()}); e.g. '0 3 * * *'")
+            errors = getattr(e, "errors", None)
+            why = errors()[0].get("msg", "") if callable(errors) and errors() else str(e)
+            _fail(f"--cron {cron!r} is not a valid cron expression ({why.splitlines()[0]}); "
+                  "e.g. '0 3 * * *' (minute hour day month weekday)")
     deployment = name or campaign.name
 
     from training.paths import ENV_VAR, state_dir
@@ -410,7 +414,7 @@ def deploy(
     typer.echo(f"serving deployment '{full}' on {api}"
                + (f" (cron '{cron}')" if cron else " (no schedule; runs on demand)"))
     typer.echo(f"  run it now: prefect deployment run '{full}'")
-    typer.echo("  Ctrl-C stops serving (and pauses the schedule).")
+    typer.echo("  Ctrl-C stops serving" + (" (and pauses the schedule)." if cron else "."))
     with contextlib.suppress(KeyboardInterrupt):
         scheduled_campaign_flow.serve(
             name=deployment, cron=cron,
