@@ -29,6 +29,8 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(state_dir() / "prefect" / "storage"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    # the temporary API server can take a while on a busy 2-core machine (default: 20 s)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 

@@ -59,7 +59,7 @@ def campaign_run(tmp_path_factory):
     from flows.campaign import campaign_flow
 
     try:
-        with prefect_test_harness():
+        with prefect_test_harness(server_startup_timeout=120):
             first = campaign_flow(str(path), "e2e-1")
             again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
         yield home, first, again

@@ -55,8 +55,11 @@ def test_ctrl_c_stops_cleanly_and_resumes(tmp_path):
     raylets_before = len(_pids_matching("raylet"))
     cmd = [sys.executable, "-m", "ui.cli", "train", str(recipe), "--out", str(run_dir),
            "--checkpoint-every", "2"]
+    # a terminal's shell: SIGINT at its default even if this test runs with it ignored (e.g. as a
+    # background job, whose children inherit SIG_IGN and would rightly keep ignoring Ctrl-C)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, cwd=Path(__file__).resolve().parents[2])
+                            start_new_session=True, cwd=Path(__file__).resolve().parents[2],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while _step_lines(run_dir / "metrics.jsonl") < 3 and time.monotonic() < deadline:
