@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -79,6 +80,20 @@ def _emit(events: EventFn | None, **event: Any) -> None:
             events(event)
         except Exception:  # a display callback never breaks the campaign
             log.debug("event callback failed", exc_info=True)
+
+
+CRASH_ENV = "ASYNCRL_CRASH_AT"
+
+
+def crash_point(name: str) -> None:
+    """Fault injection for the reliability tests: when ``$ASYNCRL_CRASH_AT`` equals ``name`` this
+    process SIGKILLs itself here — no ``finally``, no atexit, exactly a ``kill -9`` landing at a
+    known place (``judged:<stage>``: after the stage's candidates are judged, before promotion;
+    ``promote:mlflow:<stage>``: inside promotion, the MLflow model version registered but the
+    registry row not written; ``promoted:<stage>``: both written, the stage not yet marked
+    finished). Unset in normal use."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- tasks --------------------------------------------------------------------------------------
@@ -207,6 +222,7 @@ def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
         version = Tracker(tracking_uri).register_model(
             model_name(campaign_name), mlflow_run_id, checkpoint,
             aliases=[f"stage-{stage}", "champion"])
+    crash_point(f"promote:mlflow:{stage}")
     db = RegistryDB(registry_url)
     pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
                      campaign_id=campaign_id, stage=stage, actor="auto", reason=reason,
@@ -263,9 +279,15 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
 
     campaign, base = load_campaign(campaign_path)
     db = RegistryDB(registry_url)
-    db.create_campaign(campaign_id, campaign.name, {"campaign": campaign.model_dump(mode="json"),
-                                                   "base": base,
-                                                   "path": str(Path(campaign_path).resolve())})
+    from training.recipe import recipe_from_dict
+
+    # identity of a campaign id: the file's content and the base recipe's hash (not its full
+    # data: defaults a newer asyncrl adds, or an unused backend's settings, must not make a
+    # resume after an upgrade look like a different campaign)
+    db.create_campaign(campaign_id, campaign.name, {
+        "campaign": campaign.model_dump(mode="json", exclude_defaults=True),
+        "base_recipe_hash": recipe_from_dict(base, "base").hash(),
+        "path": str(Path(campaign_path).resolve())})
     db.set_campaign_status(campaign_id, "running")
     tracker = Tracker(tracking_uri)
     exp = tracker.experiment(f"asyncrl/{campaign.name}")
@@ -301,6 +323,7 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
                     plot_stages.append({"stage": stage.name, "candidates": [
                         {"candidate": done["candidate"], "history": history, "passed": True,
                          "promoted": True}]})
+                    db.upsert_stage(campaign_id, stage.name, index, "finished")
                     _emit(events, kind="stage", stage=stage.name, status="promoted (earlier)")
                     continue
             db.upsert_stage(campaign_id, stage.name, index, "running")
@@ -317,6 +340,7 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
                 {"candidate": o["candidate"], "history": read_metrics(o["run"]["metrics_path"]),
                  "passed": o["report"]["passed"], "promoted": False} for o in outcomes]})
             winner = _choose(stage, outcomes)
+            crash_point(f"judged:{stage.name}")
             if winner is None:
                 worst = outcomes[-1]
                 diag = diagnosis_for(read_metrics(worst["run"]["metrics_path"]))
@@ -344,6 +368,7 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
                             checkpoint=winner["run"]["final_hf"], reason=reason,
                             registry_url=registry_url, mlflow_run_id=winner["mlflow_run_id"],
                             tracking_uri=tracking_uri)
+            crash_point(f"promoted:{stage.name}")
             db.upsert_stage(campaign_id, stage.name, index, "finished")
             outcome.promoted[stage.name] = {"candidate": winner["candidate"],
                                             "recipe_hash": winner["recipe_hash"],
@@ -415,10 +440,16 @@ def _run_one(campaign: Campaign, campaign_id: str, stage: Stage, cand: Candidate
 
 
 def _start_ray() -> None:
-    """One local Ray for the whole campaign (FACTS.md), unless one is already up."""
+    """One local Ray for the whole campaign (FACTS.md), unless one is already up; the cluster
+    named by ``$RAY_ADDRESS`` when set."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):  # a cluster (platform/prefect.yaml sets RAY_ADDRESS=auto)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False,
+                 logging_level=logging.ERROR)
+    else:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR)

@@ -4,8 +4,10 @@ in batches, checkpoints registered as model versions with an alias per stage.
 Where the data lives (DESIGN.md "Services"): by default a SQLite store at
 ``$ASYNCRL_HOME/mlflow/mlflow.db`` and artifacts under ``$ASYNCRL_HOME/mlflow/artifacts``;
 ``MLFLOW_TRACKING_URI`` points everything at a team server instead (its own artifact store is used
-then). MLflow's file store is in maintenance mode in 3.x and refuses new use, so the local default
-is SQLite.
+then), or at a database store directly, e.g. PostgreSQL (``postgresql://user:pass@host/db``:
+SQLAlchemy 2.1 picks the psycopg 3 driver for it, the same as ``postgresql+psycopg://``), whose
+artifacts stay under ``$ASYNCRL_HOME/mlflow/artifacts``. MLflow's file store is in maintenance
+mode in 3.x and refuses new use, so the local default is SQLite.
 
 Tracking never kills a run (STYLE.md 10): every :class:`Tracker` method logs a warning on the
 ``asyncrl.tracking`` logger and returns ``None`` when MLflow fails, and :class:`MLflowSink` retries
@@ -65,6 +67,7 @@ __all__ = [
     "default_tracking_uri",
     "flatten_params",
     "metric_key",
+    "redact_uri",
 ]
 
 log = logging.getLogger("asyncrl.tracking")
@@ -109,8 +112,22 @@ def default_artifact_root() -> str:
     return path.as_uri()
 
 
+_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` with the password of its ``user:password@`` part shown as ``***``, for logs."""
+    return _PASSWORD.sub(r"\1***@", uri, count=1)
+
+
+_DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
 def _is_local_store(uri: str) -> bool:
-    return uri.startswith(("sqlite:", "file:", "/", ".")) or "://" not in uri
+    """A store MLflow opens itself (a database or a path), not a tracking server: its artifacts
+    need a root chosen here, else MLflow would use ``./mlruns`` of the working directory."""
+    scheme = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else ""
+    return uri.startswith(("file:", "/", ".")) or "://" not in uri or scheme in _DB_SCHEMES
 
 
 _BAD_KEY_CHARS = re.compile(r"[^\w./\- ]")
@@ -214,7 +231,8 @@ class Tracker:
     Args:
         tracking_uri: default :func:`default_tracking_uri`. The model registry uses the same URI.
         artifact_root: where new experiments keep artifacts; default :func:`default_artifact_root`
-            for a local (SQLite) store and the server's own choice for a remote one.
+            for a database store (SQLite, PostgreSQL) and the server's own choice for a tracking
+            server.
     """
 
     def __init__(self, tracking_uri: str | None = None, artifact_root: str | None = None) -> None:
@@ -239,7 +257,7 @@ class Tracker:
         except Exception as err:  # a broken URI turns tracking off, never the campaign
             self.error = f"{type(err).__name__}: {err}"
             log.warning("MLflow tracking at %s is unavailable (%s); the campaign runs without "
-                        "it", self.tracking_uri, self.error)
+                        "it", redact_uri(self.tracking_uri), self.error)
 
     # --- experiments and runs ---------------------------------------------------------------
     @_tolerant("experiment")

@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training.recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
+from training.yamlfile import format_validation_error, read_yaml, require_mapping
 
 __all__ = [
     "Campaign",
@@ -190,18 +190,6 @@ class Campaign(_Strict):
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def _format(err: ValidationError, source: str) -> str:
-    parts = []
-    for e in err.errors()[:3]:
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field; remove it or check its spelling (asyncrl schema campaign)"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    more = len(err.errors()) - 3
-    return f"{source}: " + "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
-
-
 def resolve_base(campaign: Campaign, source_dir: Path) -> dict[str, Any]:
     """The base recipe as validated plain data (a path is read relative to the campaign)."""
     if isinstance(campaign.base, str):
@@ -236,13 +224,13 @@ def validate_ladder(campaign: Campaign, base: Mapping[str, Any]) -> None:
 def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | None = None
                        ) -> tuple[Campaign, dict[str, Any]]:
     """Validate → (campaign, base recipe data); every problem is a one-line CampaignError."""
-    if not isinstance(data, Mapping):
-        raise CampaignError(f"{source}: a campaign is a mapping with name, base and stages, got "
-                            f"{type(data).__name__}")
+    data = require_mapping(data, f"{source}: a campaign is a mapping with name, base and stages",
+                           CampaignError)
     try:
         campaign = Campaign.model_validate(dict(data))
     except ValidationError as err:
-        raise CampaignError(_format(err, source)) from None
+        raise CampaignError(format_validation_error(err, source, "asyncrl schema campaign")
+                            ) from None
     base = resolve_base(campaign, source_dir or Path.cwd())
     validate_ladder(campaign, base)
     return campaign, base
@@ -251,16 +239,7 @@ def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | N
 def load_campaign(path: str | Path) -> tuple[Campaign, dict[str, Any]]:
     """Read and validate a campaign YAML → (campaign, base recipe data)."""
     p = Path(path)
-    if not p.is_file():
-        raise CampaignError(f"campaign file {p} does not exist; pass a campaign YAML (see "
-                            "campaigns/)")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise CampaignError(f"{p}:{where} is not valid YAML ({getattr(err, 'problem', err)}); "
-                            "fix the syntax") from None
+    data = read_yaml(p, "campaign", "pass a campaign YAML (see campaigns/)", CampaignError)
     return campaign_from_dict(data, str(p), p.parent)
 
 

@@ -1,12 +1,35 @@
-"""Suite-wide settings.
+"""Suite-wide settings and fixtures.
 
 Hypothesis runs derandomized: the same examples on every run, so CI is reproducible (a failure
 reproduces locally with the same command). Set ``HYPOTHESIS_PROFILE=explore`` to draw fresh
 random examples when hunting for bugs.
+
+PostgreSQL (``postgres_server``, ``postgres_admin``, ``postgres_db``; used by tests/registry and
+tests/flows): a real server for the session, Debian's PostgreSQL (``apt-get install postgresql``),
+started from its binaries in a temporary directory on a free port on 127.0.0.1, as the
+``postgres`` OS user when the tests run as root (PostgreSQL refuses to run as root), and stopped at
+the end of the session. It starts only when a test asks for it. Set ``ASYNCRL_TEST_POSTGRES_URL``
+(a server URL without a database, e.g. ``postgresql+psycopg://postgres@127.0.0.1:5432``) to use a
+running server instead.
 """
 
-import os
+from __future__ import annotations
 
+import contextlib
+import functools
+import glob
+import itertools
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 from hypothesis import settings
 
 settings.register_profile("default", derandomize=True, deadline=None)
@@ -17,7 +40,159 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 def pytest_configure(config):
     """Keep test state out of the working tree: unless the caller set ASYNCRL_HOME, every test
     that does not choose its own state directory shares one temporary directory."""
-    import tempfile
-
     if "ASYNCRL_HOME" not in os.environ:
         os.environ["ASYNCRL_HOME"] = tempfile.mkdtemp(prefix="asyncrl-test-home-")
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------------
+
+PG_USER = "postgres"
+PG_DATABASE = "asyncrl_test"
+INSTALL_HINT = "apt-get install -y postgresql"
+ROOT_PREFIX = "asyncrl-pg-"
+_counter = itertools.count()
+
+
+def _pg_bin_dir() -> Path | None:
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
+    if found:
+        return Path(found[-1]).parent
+    on_path = shutil.which("pg_ctl")
+    return Path(on_path).parent if on_path else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_postgres(cmd: list[str]) -> list[str]:
+    if os.geteuid() != 0:
+        return cmd
+    return ["runuser", "-u", PG_USER, "--", *cmd]
+
+
+def _run(cmd: list[str], what: str) -> None:
+    out = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        tail = " ".join((out.stdout + out.stderr).split())[-400:]
+        pytest.fail(f"{what} failed (exit {out.returncode}): {tail}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """The SQLAlchemy URL of a PostgreSQL server (no database part) for this test session."""
+    external = os.environ.get("ASYNCRL_TEST_POSTGRES_URL")
+    if external:
+        yield external.rstrip("/")
+        return
+    yield from _local_server()
+
+
+def _stop(pg_ctl: str, data: Path) -> None:
+    """Stop the server of ``data`` (pg_ctl; if that fails, kill the PID it wrote)."""
+    stop = subprocess.run(
+        _as_postgres([pg_ctl, "-D", str(data), "-m", "immediate", "-w", "-t", "30", "stop"]),
+        capture_output=True, text=True, timeout=60,
+    )
+    pid_file = data / "postmaster.pid"
+    if stop.returncode != 0 and pid_file.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _reap_orphans(pg_ctl: str) -> None:
+    """Stop servers that an earlier test session of this fixture started and could not stop
+    (it was killed): each temp dir names the PID of its session in ``owner.pid``."""
+    for root in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*"):
+        owner = root / "owner.pid"
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid):
+            continue
+        if (root / "data" / "postmaster.pid").exists():
+            _stop(pg_ctl, root / "data")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _local_server():
+    bin_dir = _pg_bin_dir()
+    if bin_dir is None:
+        pytest.fail(
+            f"PostgreSQL server binaries (pg_ctl, initdb) not found; install them: {INSTALL_HINT}",
+            pytrace=False,
+        )
+    if os.geteuid() == 0:
+        try:
+            pw = pwd.getpwnam(PG_USER)
+        except KeyError:
+            pytest.fail(f"no '{PG_USER}' OS user to run the server as; {INSTALL_HINT}",
+                        pytrace=False)
+    pg_ctl = str(bin_dir / "pg_ctl")
+    _reap_orphans(pg_ctl)
+    root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
+    (root / "owner.pid").write_text(str(os.getpid()))
+    data, sock, log = root / "data", root / "sock", root / "server.log"
+    sock.mkdir()
+    if os.geteuid() == 0:
+        for path in (root, sock):
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+    port = _free_port()
+    started = False
+    try:
+        _run([str(bin_dir / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust",
+              "-E", "UTF8", "--locale=C", "--no-sync"], "initdb")
+        options = (f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off")
+        _run([pg_ctl, "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start"],
+             f"pg_ctl start (log: {log})")
+        started = True
+        yield f"postgresql+psycopg://{PG_USER}@127.0.0.1:{port}"
+    finally:
+        if started:
+            _stop(pg_ctl, data)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _admin_execute(server_url: str, sql: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"{server_url}/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text(sql))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin(postgres_server) -> Callable[[str], None]:
+    """Run one SQL statement (``CREATE DATABASE`` ...) on the session server's ``postgres``
+    database, outside a transaction."""
+    return functools.partial(_admin_execute, postgres_server)
+
+
+@pytest.fixture
+def postgres_db(postgres_server, postgres_admin) -> str:
+    """The URL of a fresh, empty database on the session's server (``asyncrl_test_<pid>_<n>``),
+    dropped after the test."""
+    name = f"{PG_DATABASE}_{os.getpid()}_{next(_counter)}"
+    postgres_admin(f'CREATE DATABASE "{name}"')
+    yield f"{postgres_server}/{name}"
+    postgres_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -46,6 +46,8 @@ from pydantic import (
     model_validator,
 )
 
+from training.yamlfile import UnionTags, format_validation_error, read_yaml, require_mapping
+
 __all__ = [
     "AlgorithmConfig",
     "AsyncConfig",
@@ -138,25 +140,82 @@ ModelSpec = Annotated[WarmStartModel | CheckpointModel, Field(discriminator="kin
 # --- engines, task, rollout ----------------------------------------------------------------------
 
 
-class EnginesConfig(_Strict):
-    """Rollout and training backends. Only the embedded CPU pair exists in this version."""
+class MegatronConfig(_Strict):
+    """The Megatron train backend (``engines.train: megatron``; ``pip install -e ".[megatron]"``):
+    megatron-core's GPTModel on Ray actors, one per rank (tensor × pipeline × data parallel; experts
+    split over expert_parallel ranks). On a machine without CUDA it runs on CPU with gloo."""
 
-    rollout: Literal["embedded"] = Field("embedded", description=(
-        "Rollout backend: 'embedded' (HTTP servers around the torch engine, bf16 KV cache)."))
-    train: Literal["embedded"] = Field("embedded", description=(
-        "Train backend: 'embedded' (fp32 torch on CPU)."))
+    tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel size (TP).")
+    pipeline_parallel: int = Field(1, ge=1, le=64, description="Pipeline-parallel size (PP).")
+    expert_parallel: int = Field(1, ge=1, le=64, description=(
+        "Expert-parallel size (EP, MoE only); must divide the data-parallel × tensor ranks."))
+    data_parallel: int = Field(1, ge=1, le=1024, description=(
+        "Data-parallel size (DP); ranks = TP × PP × DP."))
+    gpus_per_rank: float = Field(1.0, ge=0.0, le=8.0, description=(
+        "GPUs each rank actor asks Ray for (ignored where no GPU exists: CPU ranks)."))
+    distributed_optimizer: bool = Field(False, description=(
+        "Megatron's DistributedOptimizer (shards optimizer state over DP) instead of the plain "
+        "FP32 optimizer."))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of the rank actors.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+
+class SGLangConfig(_Strict):
+    """The SGLang rollout backend (``engines.rollout: sglang``; GPU nodes, ``pip install -e
+    ".[gpu]"``): ``python -m sglang.launch_server`` processes started by Ray actors."""
+
+    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel size of each engine "
+                         "(GPUs per engine).")
+    mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description=(
+        "Fraction of GPU memory SGLang reserves for weights + KV cache (its "
+        "--mem-fraction-static)."))
+    deterministic: bool = Field(False, description=(
+        "--enable-deterministic-inference (batch-invariant kernels; slower, less mismatch)."))
+    router: Literal["asyncrl", "sglang-router"] = Field("asyncrl", description=(
+        "Who balances requests: asyncrl's own router (default; carries routed experts for R3) or "
+        "sglang-router (drops return_routed_experts, so not with routing_replay r3)."))
+    weight_sync: Literal["disk", "nccl"] = Field("disk", description=(
+        "How new weights reach the engines: an HF export loaded with /update_weights_from_disk, "
+        "or NCCL broadcast from the Megatron ranks (/update_weights_from_distributed; GPUs only)."))
+    startup_timeout_s: float = Field(900.0, gt=0.0, le=7200.0, description=(
+        "Seconds to wait for a launched engine's /health_generate."))
+    max_restarts: int = Field(3, ge=0, le=100, description=(
+        "Times a dead engine is restarted (and re-sent the current weights) before it is given "
+        "up."))
+    extra_args: list[str] = Field(default_factory=list, description=(
+        "More sglang.launch_server arguments, passed through as given."))
+
+
+class EnginesConfig(_Strict):
+    """Rollout and training backends: the embedded CPU pair (default) or SGLang + Megatron."""
+
+    rollout: Literal["embedded", "sglang"] = Field("embedded", description=(
+        "Rollout backend: 'embedded' (HTTP servers around the torch engine, bf16 KV cache) or "
+        "'sglang' (SGLang servers on GPUs, launched by Ray actors)."))
+    train: Literal["embedded", "megatron"] = Field("embedded", description=(
+        "Train backend: 'embedded' (fp32 torch on CPU) or 'megatron' (megatron-core ranks on Ray "
+        "actors; CPU with gloo when there is no GPU)."))
     num_rollout_engines: int = Field(2, ge=1, le=64, description=(
         "Rollout servers behind the router (load-balanced by estimated tokens; a dead one's "
         "requests are retried on the others)."))
     rollout_dtype: Literal["bf16", "fp32", "fp8"] = Field("bf16", description=(
-        "Rollout numerics: bf16 (default, like SGLang), fp32 (no engine mismatch), fp8 "
+        "Embedded rollout numerics: bf16 (default, like SGLang), fp32 (no engine mismatch), fp8 "
         "(simulated weight quantisation, more mismatch)."))
     logit_noise: float = Field(0.0, ge=0.0, le=5.0, description=(
-        "Std of Gaussian noise added to rollout logits (a knob to inject engine mismatch)."))
+        "Std of Gaussian noise added to embedded rollout logits (a knob to inject engine "
+        "mismatch)."))
     max_batch: int = Field(64, ge=1, le=4096, description=(
         "Most sequences one rollout server decodes together."))
     snapshot_budget_mb: int = Field(256, ge=0, le=1_000_000, description=(
         "CPU memory for old weight versions kept by the trainer (old_logprob: snapshot, R2)."))
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig, description=(
+        "Settings of the megatron train backend (used when train: megatron)."))
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig, description=(
+        "Settings of the sglang rollout backend (used when rollout: sglang)."))
 
 
 class TaskConfig(_Strict):
@@ -523,6 +582,27 @@ class Recipe(_Strict):
             raise ValueError(
                 f"async.max_off_policy_steps={a.max_off_policy_steps} would drop samples the "
                 f"{a.mode} mode always produces (staleness up to {least}); set it >= {least}")
+        e = self.engines
+        if e.rollout == "sglang" and e.sglang.router == "sglang-router" \
+                and self.algorithm.routing_replay == "r3":
+            raise ValueError("engines.sglang.router=sglang-router drops return_routed_experts, so "
+                             "routing_replay r3 cannot work through it; use router: asyncrl")
+        if e.rollout == "sglang" and e.sglang.weight_sync == "nccl" and e.train != "megatron":
+            raise ValueError("engines.sglang.weight_sync=nccl broadcasts from the Megatron ranks; "
+                             "set engines.train: megatron or weight_sync: disk")
+        m = e.megatron
+        if e.train == "megatron" and m.expert_parallel > 1:
+            if not moe and isinstance(self.model, WarmStartModel):
+                raise ValueError(f"engines.megatron.expert_parallel={m.expert_parallel} needs an "
+                                 "MoE model: set model.moe_experts > 0 or expert_parallel: 1")
+            if (m.tensor_parallel * m.data_parallel) % m.expert_parallel:
+                raise ValueError(
+                    f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
+                    f"tensor_parallel × data_parallel = {m.tensor_parallel * m.data_parallel}")
+            if moe and self.model.moe_experts % m.expert_parallel:
+                raise ValueError(
+                    f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
+                    f"model.moe_experts={self.model.moe_experts}")
         if self.data.max_in_flight < self.rollout.n:
             raise ValueError(f"data.max_in_flight={self.data.max_in_flight} is below the group "
                              f"size rollout.n={self.rollout.n}; raise it")
@@ -559,79 +639,46 @@ class Recipe(_Strict):
 def recipe_hash(recipe: Recipe) -> str:
     """16 hex digits of sha256 over the canonical JSON of every field but name/description.
     Stable across processes and field order in the YAML; defaults count (an explicit default and
-    an omitted one hash the same)."""
+    an omitted one hash the same). The settings of a backend the recipe does not use
+    (``engines.megatron`` unless ``train: megatron``, ``engines.sglang`` unless ``rollout:
+    sglang``) do not count: they change nothing about the run."""
     data = recipe.to_dict()
     data.pop("name", None)
     data.pop("description", None)
+    engines = data.get("engines", {})
+    if engines.get("train") != "megatron":
+        engines.pop("megatron", None)
+    if engines.get("rollout") != "sglang":
+        engines.pop("sglang", None)
     canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
 # Discriminated unions: the field holding one, its tag key and its tags. Pydantic puts the tag in
-# an error's location ("async.fully_async.x"); users write "async.x".
-_UNIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+# an error's location ("async.fully_async.x"); users write "async.x" (training.yamlfile).
+_UNIONS: UnionTags = {
     "model": ("kind", ("warmstart", "checkpoint")),
     "async": ("mode", ("sync", "one_step", "fully_async")),
     "correction": ("kind", ("none", "compis", "preset", "decoupled")),
 }
-
-
-def _error_location(loc: tuple[Any, ...]) -> str:
-    parts: list[str] = []
-    for p in (str(p) for p in loc):
-        if p.startswith("function-after"):
-            continue
-        if parts and parts[-1] in _UNIONS and p in _UNIONS[parts[-1]][1]:
-            continue  # the variant tag pydantic inserts after a union field
-        parts.append(p)
-    return ".".join(parts)
-
-
-def _format_error(err: ValidationError, source: str) -> str:
-    parts = []
-    for e in err.errors()[:3]:
-        loc = _error_location(e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = ("unknown field; remove it or check its spelling (asyncrl schema recipe "
-                   "lists them)")
-        elif e["type"] == "union_tag_invalid":
-            msg = msg.replace("Input tag", "value")
-        elif e["type"] == "union_tag_not_found":
-            field = loc.rsplit(".", 1)[-1]
-            key, tags = _UNIONS.get(field, ("kind", ()))
-            msg = f"missing `{key}`; add {key}: one of {', '.join(tags)}"
-        parts.append(f"{loc}: {msg}" if loc else msg)  # cross-field errors name their fields
-    more = len(err.errors()) - 3
-    tail = f" (+{more} more)" if more > 0 else ""
-    return f"{source}: " + "; ".join(parts) + tail
+_SCHEMA_HINT = "asyncrl schema recipe lists them"  # where an unknown field's message points
 
 
 def recipe_from_dict(data: Mapping[str, Any], source: str = "recipe") -> Recipe:
     """Validate plain data → :class:`Recipe`; errors → :class:`RecipeError` (one line)."""
-    if not isinstance(data, Mapping):
-        raise RecipeError(f"{source}: a recipe is a mapping of sections (model, rollout, async, "
-                          f"...), got {type(data).__name__}")
+    data = require_mapping(data, f"{source}: a recipe is a mapping of sections (model, rollout, "
+                           "async, ...)", RecipeError)
     try:
         return Recipe.model_validate(dict(data))
     except ValidationError as err:
-        raise RecipeError(_format_error(err, source)) from None
+        raise RecipeError(format_validation_error(err, source, _SCHEMA_HINT, _UNIONS)) from None
 
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
     """Read and validate a recipe YAML file; ``overrides`` are dotted keys (``optim.lr``) or
     nested mappings applied before validation."""
     p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe file {p} does not exist; pass the path of a YAML recipe "
-                          "(see recipes/)")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise RecipeError(f"{p}:{where} is not valid YAML ({getattr(err, 'problem', err)}); "
-                          "fix the syntax") from None
+    data = read_yaml(p, "recipe", "pass the path of a YAML recipe (see recipes/)", RecipeError)
     if data is None:
         data = {}
     if overrides:

@@ -29,8 +29,8 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(state_dir() / "prefect" / "storage"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    # the temporary API server can take a while on a busy 2-core machine (default: 20 s)
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # the temporary API server can take minutes on a loaded 2-core machine (default: 20 s)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -115,7 +115,7 @@ def _print_outcome(console, out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(out, indent=2, default=str))
         return
-    from flows.tracking import default_tracking_uri
+    from flows.tracking import default_tracking_uri, redact_uri
     from registry.db import default_url
 
     console.print(f"campaign [bold]{out['campaign_id']}[/]: {out['status']} — {out['verdict']}")
@@ -128,8 +128,8 @@ def _print_outcome(console, out: dict[str, Any], as_json: bool) -> None:
             console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
                           f"fix: {f.get('fix')}")
     console.print(f"where to look: `asyncrl campaign status {out['campaign_id']}`; MLflow: "
-                  f"`mlflow ui --backend-store-uri {default_tracking_uri()}` (or `asyncrl up`); "
-                  f"registry: {default_url()}")
+                  f"`mlflow ui --backend-store-uri {redact_uri(default_tracking_uri())}` (or "
+                  f"`asyncrl up`); registry: {redact_uri(default_url())}")
 
 
 @campaign_app.command("launch")
@@ -138,8 +138,21 @@ def launch(
     campaign_id: str | None = typer.Option(None, "--id", help="Campaign id (default: "
                                            "<name>-<time>-<random>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
+    deployment: bool = typer.Option(
+        False, "--deployment", help="Run it on the Prefect server at PREFECT_API_URL, through "
+        "the deployment `asyncrl deploy CAMPAIGN.yaml` serves, instead of in this process; "
+        "the run shows in the Prefect UI."),
+    deployment_name: str | None = typer.Option(
+        None, "--deployment-name", help="With --deployment: the deployment's name (default: the "
+        "campaign's name, as `asyncrl deploy` names it)."),
+    detach: bool = typer.Option(False, "--detach", help="With --deployment: submit and return; "
+                                "follow with `asyncrl campaign status ID`."),
+    timeout: float = typer.Option(0.0, "--timeout", help="With --deployment: stop waiting after "
+                                  "this many seconds (0: wait until the run ends); the run goes "
+                                  "on."),
 ) -> None:
-    """Validate the campaign, record it in the registry and run its flow (Prefect, in-process).
+    """Validate the campaign, record it in the registry and run its flow (Prefect, in-process by
+    default; on a Prefect server with --deployment).
     Exit code 0: every stage promoted; 2: a stage had no passing candidate (see the verdict)."""
     from registry.campaign import CampaignError, load_campaign
 
@@ -149,7 +162,99 @@ def launch(
         _fail(str(e))
     from flows.campaign import new_campaign_id
 
-    _run_flow(path, campaign_id or new_campaign_id(campaign.name), as_json)
+    cid = campaign_id or new_campaign_id(campaign.name)
+    if deployment:
+        _run_deployment(path, cid, deployment_name or campaign.name, as_json, detach, timeout)
+    elif deployment_name or detach or timeout:
+        _fail("--deployment-name, --detach and --timeout go with --deployment")
+    else:
+        _run_flow(path, cid, as_json)
+
+
+_TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, detach: bool,
+                    timeout: float) -> None:
+    """Create a flow run of the served deployment ``asyncrl-scheduled-campaign/<name>`` for this
+    campaign file and id; unless ``detach``, follow it (stages from the registry) to its end."""
+    import time
+
+    from rich.console import Console
+
+    from ui.services_cli import DEFAULT_PREFECT_PORT, HOST, _answers
+
+    api = os.environ.get("PREFECT_API_URL", "").strip()
+    hint = (f"start one with `asyncrl up`, set PREFECT_API_URL=http://{HOST}:"
+            f"{DEFAULT_PREFECT_PORT}/api and serve the campaign with `asyncrl deploy {path}`")
+    if not api:
+        _fail(f"--deployment needs a Prefect server and PREFECT_API_URL is not set; {hint}")
+    if not _answers(api.rstrip("/") + "/health"):
+        _fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
+    _prefect_env()
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from flows.deploy import FLOW_NAME
+
+    full = f"{FLOW_NAME}/{name}"
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(full)
+        except Exception:  # prefect's ObjectNotFound (or an HTTP error saying the same)
+            _fail(f"no deployment {full!r} on {api}; serve it with `asyncrl deploy {path}"
+                  + (f" --name {name}`" if name else "`")
+                  + " (or pass --deployment-name)")
+    run = run_deployment(full, parameters={"campaign_path": str(Path(path).resolve()),
+                                           "campaign_id": campaign_id}, timeout=0)
+    ui = api.rstrip("/").removesuffix("/api") + f"/runs/flow-run/{run.id}"
+    console = Console(stderr=as_json)
+    console.print(f"submitted campaign [bold]{campaign_id}[/] to deployment '{full}': "
+                  f"flow run {run.name} ({ui})")
+    if detach:
+        console.print(f"follow it with `asyncrl campaign status {campaign_id}`")
+        if as_json:
+            typer.echo(json.dumps({"campaign_id": campaign_id, "flow_run_id": str(run.id),
+                                   "flow_run_url": ui}, indent=2))
+        return
+    seen: dict[str, str] = {}
+    start = time.monotonic()
+    state = None
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(run.id).state
+            db = _db()
+            try:
+                for st in db.stages(campaign_id):
+                    if seen.get(st["name"]) != st["status"]:
+                        seen[st["name"]] = st["status"]
+                        console.print(f"  stage {st['name']}: {st['status']}")
+            finally:
+                db.close()
+            if state is not None and state.type.value in _TERMINAL:
+                break
+            if timeout and time.monotonic() - start > timeout:
+                _fail(f"stopped waiting after {timeout:.0f} s; the run goes on: "
+                      f"`asyncrl campaign status {campaign_id}`, {ui}", 3)
+            time.sleep(2.0)
+    db = _db()
+    row = db.get_campaign(campaign_id)
+    promos = db.promotions(campaign_id=campaign_id)
+    db.close()
+    if row is None:
+        _fail(f"the flow run ended ({state.type.value}: {state.message or ''}) before the "
+              f"campaign was recorded; see {ui}")
+    out = {"campaign_id": campaign_id, "status": row["status"], "verdict": row["verdict"] or "",
+           "diagnosis": row.get("diagnosis"), "flow_run_id": str(run.id), "flow_run_url": ui,
+           "promoted": {p["stage"]: {k: p[k] for k in ("candidate", "recipe_hash", "checkpoint",
+                                                      "mlflow_version")}
+                        for p in promos if p["actor"] == "auto"}}
+    if state.type.value != "COMPLETED" and row["status"] not in ("finished", "stopped"):
+        _fail(f"flow run {state.type.value.lower()}: {state.message or ''} (campaign "
+              f"{campaign_id}; see {ui}; resume with: asyncrl campaign resume {campaign_id})")
+    _print_outcome(console, out, as_json)
+    if out["status"] != "finished":
+        raise typer.Exit(2)
 
 
 @campaign_app.command("resume")

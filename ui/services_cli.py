@@ -175,11 +175,15 @@ def _answers(url: str) -> bool:
 # --- the services -------------------------------------------------------------------------------
 
 
-def _mlflow_store() -> str:
-    """The store the runs write to (flows.tracking): a server URL in MLFLOW_TRACKING_URI (what
-    ``up`` tells users to set) is not a store, so the local SQLite default is served then."""
+def _mlflow_store(uri: str | None = None) -> str:
+    """The store to serve: ``uri`` (``--mlflow-backend-store-uri``) when given, else the store
+    the runs write to (flows.tracking): MLFLOW_TRACKING_URI when it names one (a database such
+    as PostgreSQL), but a server URL there (what ``up`` tells users to set) is not a store, so
+    the local SQLite default is served then."""
     from flows.tracking import default_tracking_uri
 
+    if uri:
+        return uri
     saved = os.environ.get("MLFLOW_TRACKING_URI", "")
     if not saved.startswith(("http://", "https://")):
         return default_tracking_uri()
@@ -196,9 +200,12 @@ def _prefect_home() -> Path:
     return Path(os.environ.get("PREFECT_HOME") or state_dir() / "prefect")
 
 
-def service_spec(name: str, port: int) -> dict[str, Any]:
+def service_spec(name: str, port: int, store: str | None = None) -> dict[str, Any]:
     """How to start service ``name`` on ``port``: command, extra environment, health and UI
-    URLs, and the env var that points runs at it."""
+    URLs, and the env var that points runs at it. ``store``: MLflow's backend store (default
+    :func:`_mlflow_store`); it reaches the server in its environment, not on its command line,
+    so a database password stays out of ``ps``, the log and services.json (which show it
+    redacted)."""
     import sys
 
     base = f"http://{HOST}:{port}"
@@ -212,13 +219,17 @@ def service_spec(name: str, port: int) -> dict[str, Any]:
                 "health": f"{base}/api/health", "url": base,
                 "export": ("PREFECT_API_URL", f"{base}/api"), "option": "--prefect-port"}
     if name == "mlflow":
-        from flows.tracking import default_artifact_root
+        from flows.tracking import default_artifact_root, redact_uri
 
+        # a database store keeps artifacts in the local directory of the SQLite default too;
+        # clients on this machine write them there directly (file:// experiment locations)
+        backend = _mlflow_store(store)
         return {"command": [sys.executable, "-m", "mlflow", "server", "--host", HOST, "--port",
-                            str(port), "--backend-store-uri", _mlflow_store(),
-                            "--default-artifact-root", default_artifact_root(),
+                            str(port), "--default-artifact-root", default_artifact_root(),
                             "--workers", "1"],
-                "env": {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, "unset": [],
+                "env": {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+                        "MLFLOW_BACKEND_STORE_URI": backend},
+                "unset": [], "store": redact_uri(backend),
                 "health": f"{base}/health", "url": base,
                 "export": ("MLFLOW_TRACKING_URI", base), "option": "--mlflow-port"}
     raise ValueError(f"unknown service {name!r}")
@@ -236,8 +247,9 @@ def _spawn(name: str, spec: dict[str, Any], port: int) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in spec["unset"]}
     env.update(spec["env"])
     with open(log_path, "ab") as log:
+        store = f" (store {spec['store']})" if spec.get("store") else ""
         log.write(f"\n--- asyncrl up {datetime.now(UTC).isoformat()}: "
-                  f"{' '.join(spec['command'])}\n".encode())
+                  f"{' '.join(spec['command'])}{store}\n".encode())
         log.flush()
         try:
             proc = subprocess.Popen(spec["command"], stdin=subprocess.DEVNULL, stdout=log,
@@ -249,6 +261,7 @@ def _spawn(name: str, spec: dict[str, Any], port: int) -> dict[str, Any]:
             "port": port, "url": spec["url"], "health": spec["health"],
             "export": f"{spec['export'][0]}={spec['export'][1]}",
             "command": spec["command"], "log": str(log_path),
+            **({"store": spec["store"]} if spec.get("store") else {}),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
@@ -293,10 +306,17 @@ def up(
                                     help="Port of the MLflow server (tracking API and UI)."),
     no_prefect: bool = typer.Option(False, "--no-prefect", help="Do not start Prefect."),
     no_mlflow: bool = typer.Option(False, "--no-mlflow", help="Do not start MLflow."),
+    mlflow_store: str | None = typer.Option(
+        None, "--mlflow-backend-store-uri", metavar="URI",
+        help="The store the MLflow server serves, e.g. postgresql://user:pass@host:5432/db "
+             "(psycopg 3 driver). Default: MLFLOW_TRACKING_URI when it names a database, else "
+             "sqlite:///$ASYNCRL_HOME/mlflow/mlflow.db. Artifacts go to "
+             "$ASYNCRL_HOME/mlflow/artifacts either way."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for each server."),
 ) -> None:
     """Start the local Prefect server and MLflow server in the background on 127.0.0.1 (state
-    under $ASYNCRL_HOME, logs in $ASYNCRL_HOME/logs); `asyncrl down` stops them."""
+    under $ASYNCRL_HOME, logs in $ASYNCRL_HOME/logs); `asyncrl down` stops them. MLflow serves
+    a database store (SQLite by default, or PostgreSQL: --mlflow-backend-store-uri)."""
     wanted = {n: p for n, p, off in (("prefect", prefect_port, no_prefect),
                                      ("mlflow", mlflow_port, no_mlflow)) if not off}
     if not wanted:
@@ -307,18 +327,26 @@ def up(
     running: list[str] = []
     to_start: dict[str, dict[str, Any]] = {}
     for name, port in wanted.items():
+        extra = {"store": mlflow_store} if name == "mlflow" and mlflow_store else {}
         entry = record.get(name)
         if entry is not None and _is_ours(entry):
             if int(entry["port"]) != port:
                 _fail(f"{name} is already running on port {entry['port']} (pid {entry['pid']}); "
                       f"`asyncrl down` first to move it to port {port}")
+            if extra and entry.get("store"):
+                from flows.tracking import redact_uri
+
+                want = redact_uri(_mlflow_store(mlflow_store))
+                if entry["store"] != want:
+                    _fail(f"mlflow is already running on store {entry['store']} (pid "
+                          f"{entry['pid']}); `asyncrl down` first to serve {want}")
             running.append(name)
             continue
         record.pop(name, None)  # a stale entry: the process is gone
         if not 0 < port < 65536:
             _fail(f"port {port} is not a valid port; choose another with "
                   f"{'--prefect-port' if name == 'prefect' else '--mlflow-port'}")
-        spec = service_spec(name, port)
+        spec = service_spec(name, port, **extra)
         if not _port_free(port):
             _fail(f"port {port} on {HOST} is already in use (wanted for {name}); choose another "
                   f"with {spec['option']} or stop what uses it")
@@ -334,7 +362,8 @@ def up(
     for name in wanted:
         e = record[name]
         how = "already running" if name in running else "started"
-        typer.echo(f"{name}: {how} — UI {e['url']} (pid {e['pid']}, log {e['log']})")
+        store = f", store {e['store']}" if e.get("store") else ""
+        typer.echo(f"{name}: {how} — UI {e['url']} (pid {e['pid']}, log {e['log']}{store})")
     typer.echo("Point runs at them (in the shell that runs asyncrl):")
     for name in wanted:
         typer.echo(f"  export {record[name]['export']}")

@@ -1,6 +1,13 @@
-"""`kill -9` of `asyncrl campaign launch` — during the first candidate, and again during the second
-stage after the first promotion — then `asyncrl campaign resume ID`: the campaign finishes with no
-lost or duplicated MLflow runs, metric points, registry rows, promotions or trained steps."""
+"""`kill -9` of `asyncrl campaign launch` at five points, each followed by `asyncrl campaign resume
+ID`: during the first candidate; after its judgement, before its promotion; during its promotion
+(MLflow model version registered, registry row not yet written); during the second stage's
+candidate; after the second promotion, before the stage is marked finished. The campaign then
+finishes with no lost or duplicated MLflow runs, metric points, model versions, registry rows,
+gate results, promotions or trained steps.
+
+The two kills during training are sent from outside (SIGKILL once the run has logged steps); the
+three at exact places between tasks use the flow's fault-injection hook (``ASYNCRL_CRASH_AT``,
+:func:`flows.campaign.crash_point`), which SIGKILLs the process itself at that line."""
 
 from __future__ import annotations
 
@@ -103,6 +110,40 @@ def _kill9_when(proc: subprocess.Popen, ready, what: str, timeout: float = 300) 
             os.kill(p, signal.SIGKILL)
 
 
+def _session(sid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                out.append(int(d))
+    return out
+
+
+def _crash_at(point: str, args: list[str], env: dict[str, str], log: Path) -> None:
+    """Run the CLI with ``ASYNCRL_CRASH_AT=point``: it must die by SIGKILL (at that point); then
+    stop what it left in its session (by PID). Its stderr goes to ``log``, not a pipe: Prefect's
+    temporary API server, left behind by the kill, would hold a pipe open."""
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ui.cli", *args],
+                                env={**env, "ASYNCRL_CRASH_AT": point}, cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == -signal.SIGKILL, \
+        f"expected a crash at {point}, got exit {proc.returncode}: " + log.read_text()[-3000:]
+    time.sleep(2.0)
+    for p in _session(proc.pid):
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
 def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ui.cli", *args], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -110,7 +151,7 @@ def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_kill_9_at_two_points_then_resume(tmp_path):
+def test_kill_9_at_five_points_then_resume(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "ASYNCRL_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -125,13 +166,44 @@ def test_kill_9_at_two_points_then_resume(tmp_path):
     _kill9_when(proc, lambda: _step_lines(runs / "s1" / "default" / "metrics.jsonl") >= 2,
                 "two steps of s1")
 
-    # 2. resume; kill again once s1 is promoted and s2 is training
+    from mlflow import MlflowClient
+
     from registry.db import RegistryDB
 
+    def registry() -> RegistryDB:
+        return RegistryDB(f"sqlite:///{home / 'registry.db'}")
+
+    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+    def versions() -> list:
+        try:
+            return client.search_model_versions("name='asyncrl-killtest'")
+        except Exception:  # no registered model yet
+            return []
+
+    # 2. after s1's judgement, before its promotion
+    _crash_at("judged:s1", ["campaign", "resume", cid], env, tmp_path / "crash1.log")
+    db = registry()
+    (s1_run,) = db.runs(cid)
+    assert {g["name"] for g in db.gate_results(s1_run["id"])} == {"reward_not_collapsed"}
+    assert db.promoted(cid, "s1") is None
+    db.close()
+    assert versions() == []
+
+    # 3. during s1's promotion: the MLflow version exists, the registry row does not
+    _crash_at("promote:mlflow:s1", ["campaign", "resume", cid], env,
+              tmp_path / "crash2.log")
+    assert len(versions()) == 1
+    db = registry()
+    assert db.promoted(cid, "s1") is None
+    db.close()
+
+    # 4. resume; kill again once s1 is promoted and s2 is training
     def s1_promoted_and_s2_running() -> bool:
         if _step_lines(runs / "s2" / "default" / "metrics.jsonl") < 1:
             return False
-        db = RegistryDB(f"sqlite:///{home / 'registry.db'}")
+        db = registry()
         try:
             return db.promoted(cid, "s1") is not None
         finally:
@@ -140,7 +212,14 @@ def test_kill_9_at_two_points_then_resume(tmp_path):
     proc = _launch(["campaign", "resume", cid], env)
     _kill9_when(proc, s1_promoted_and_s2_running, "s1 promoted and s2 training")
 
-    # 3. resume to the end
+    # 5. after s2's promotion, before the stage is marked finished
+    _crash_at("promoted:s2", ["campaign", "resume", cid], env, tmp_path / "crash3.log")
+    db = registry()
+    assert db.promoted(cid, "s2") is not None
+    assert {s["name"]: s["status"] for s in db.stages(cid)}["s2"] == "running"
+    db.close()
+
+    # 6. resume to the end
     res = subprocess.run([sys.executable, "-m", "ui.cli", "campaign", "resume", cid, "--json"],
                          env=env, cwd=ROOT, capture_output=True, timeout=600,
                          start_new_session=True)
@@ -148,22 +227,23 @@ def test_kill_9_at_two_points_then_resume(tmp_path):
     out = json.loads(res.stdout)
     assert out["status"] == "finished" and set(out["promoted"]) == {"s1", "s2"}
 
-    db = RegistryDB(f"sqlite:///{home / 'registry.db'}")
+    db = registry()
     promos = db.promotions(campaign_id=cid)
     assert sorted(p["stage"] for p in promos) == ["s1", "s2"]  # one each, no duplicate
     assert sorted((r["stage"], r["candidate"]) for r in db.runs(cid)) == [
         ("s1", "default"), ("s2", "default")]
     assert db.get_campaign(cid)["status"] == "finished"
+    assert {s["name"]: s["status"] for s in db.stages(cid)} == {"s1": "finished",
+                                                                "s2": "finished"}
+    for run in db.runs(cid):  # one set of gate results per run, not one per judgement
+        assert [g["name"] for g in db.gate_results(run["id"])] == ["reward_not_collapsed"]
+    assert all(p["mlflow_version"] for p in promos)
     db.close()
     for stage in ("s1", "s2"):  # every trainer step exactly once in the run's history
         rows = [json.loads(x) for x in (runs / stage / "default" / "metrics.jsonl")
                 .read_text().splitlines() if x.strip()]
         assert [r["step"] for r in rows if not r.get("step/eval_only")] == list(range(STEPS))
 
-    from mlflow import MlflowClient
-
-    uri = f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     exp = client.get_experiment_by_name("asyncrl/killtest")
     all_runs = client.search_runs([exp.experiment_id])
     parents = [r for r in all_runs if r.data.tags.get("asyncrl.kind") == "campaign"]
@@ -173,5 +253,8 @@ def test_kill_9_at_two_points_then_resume(tmp_path):
         steps = [m.step for m in client.get_metric_history(child.info.run_id,
                                                            "rollout/reward_mean")]
         assert sorted(steps) == list(range(STEPS)), steps  # each step once
-    versions = client.search_model_versions("name='asyncrl-killtest'")
-    assert len(versions) == 2  # one registered checkpoint per promoted stage
+    # one registered checkpoint per promoted stage, and the registry points at those
+    assert sorted(int(v.version) for v in versions()) == [1, 2]
+    assert sorted(p["mlflow_version"] for p in promos) == ["1", "2"]
+    champion = client.get_model_version_by_alias("asyncrl-killtest", "champion")
+    assert str(champion.version) == "2"

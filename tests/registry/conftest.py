@@ -1,183 +1,31 @@
-"""Registry test fixtures: a real PostgreSQL server for the session, and a fresh database URL per
-test on each backend (``sqlite`` and ``postgresql``).
-
-The server is Debian's PostgreSQL (``apt-get install postgresql``), started from its binaries in
-a temporary directory on a free port on 127.0.0.1, as the ``postgres`` OS user when the tests run
-as root (PostgreSQL refuses to run as root), and stopped at the end of the session. Set
-``ASYNCRL_TEST_POSTGRES_URL`` (a server URL without a database, e.g.
-``postgresql+psycopg://postgres@127.0.0.1:5432``) to use a running server instead.
+"""Registry test fixtures: a fresh database URL per test on each backend (``sqlite`` and
+``postgresql``). The PostgreSQL server of the session (``postgres_server``, and
+``ASYNCRL_TEST_POSTGRES_URL`` to use a running one) is started by tests/conftest.py, which
+tests/flows shares.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import itertools
-import os
-import pwd
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-from pathlib import Path
-
 import pytest
-from sqlalchemy import create_engine, text
 
-PG_USER = "postgres"
 PG_DATABASE = "asyncrl_test"
-INSTALL_HINT = "apt-get install -y postgresql"
-ROOT_PREFIX = "asyncrl-pg-"
-_counter = itertools.count()
-
-
-def _pg_bin_dir() -> Path | None:
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
-        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
-    )
-    if found:
-        return Path(found[-1]).parent
-    on_path = shutil.which("pg_ctl")
-    return Path(on_path).parent if on_path else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _as_postgres(cmd: list[str]) -> list[str]:
-    if os.geteuid() != 0:
-        return cmd
-    return ["runuser", "-u", PG_USER, "--", *cmd]
-
-
-def _run(cmd: list[str], what: str) -> None:
-    out = subprocess.run(_as_postgres(cmd), capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        tail = " ".join((out.stdout + out.stderr).split())[-400:]
-        pytest.fail(f"{what} failed (exit {out.returncode}): {tail}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
-def postgres_server() -> str:
-    """The SQLAlchemy URL of a PostgreSQL server (no database part) for this test session."""
-    external = os.environ.get("ASYNCRL_TEST_POSTGRES_URL")
-    if external:
-        yield external.rstrip("/")
-        return
-    yield from _local_server()
-
-
-@pytest.fixture(scope="session")
-def postgres_url(postgres_server) -> str:
+def postgres_url(postgres_server, postgres_admin) -> str:
     """``postgresql+psycopg://postgres@127.0.0.1:PORT/asyncrl_test``: a database on the session's
     server."""
-    _admin_execute(postgres_server, f'DROP DATABASE IF EXISTS "{PG_DATABASE}" WITH (FORCE)')
-    _admin_execute(postgres_server, f'CREATE DATABASE "{PG_DATABASE}"')
+    postgres_admin(f'DROP DATABASE IF EXISTS "{PG_DATABASE}" WITH (FORCE)')
+    postgres_admin(f'CREATE DATABASE "{PG_DATABASE}"')
     return f"{postgres_server}/{PG_DATABASE}"
-
-
-def _stop(pg_ctl: str, data: Path) -> None:
-    """Stop the server of ``data`` (pg_ctl; if that fails, kill the PID it wrote)."""
-    stop = subprocess.run(
-        _as_postgres([pg_ctl, "-D", str(data), "-m", "immediate", "-w", "-t", "30", "stop"]),
-        capture_output=True, text=True, timeout=60,
-    )
-    pid_file = data / "postmaster.pid"
-    if stop.returncode != 0 and pid_file.exists():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _reap_orphans(pg_ctl: str) -> None:
-    """Stop servers that an earlier test session of this fixture started and could not stop
-    (it was killed): each temp dir names the PID of its session in ``owner.pid``."""
-    for root in Path(tempfile.gettempdir()).glob(f"{ROOT_PREFIX}*"):
-        owner = root / "owner.pid"
-        try:
-            pid = int(owner.read_text())
-        except (OSError, ValueError):
-            continue
-        if _alive(pid):
-            continue
-        if (root / "data" / "postmaster.pid").exists():
-            _stop(pg_ctl, root / "data")
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _local_server():
-    bin_dir = _pg_bin_dir()
-    if bin_dir is None:
-        pytest.fail(
-            f"PostgreSQL server binaries (pg_ctl, initdb) not found; install them: {INSTALL_HINT}",
-            pytrace=False,
-        )
-    if os.geteuid() == 0:
-        try:
-            pw = pwd.getpwnam(PG_USER)
-        except KeyError:
-            pytest.fail(f"no '{PG_USER}' OS user to run the server as; {INSTALL_HINT}",
-                        pytrace=False)
-    pg_ctl = str(bin_dir / "pg_ctl")
-    _reap_orphans(pg_ctl)
-    root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
-    (root / "owner.pid").write_text(str(os.getpid()))
-    data, sock, log = root / "data", root / "sock", root / "server.log"
-    sock.mkdir()
-    if os.geteuid() == 0:
-        for path in (root, sock):
-            os.chown(path, pw.pw_uid, pw.pw_gid)
-    port = _free_port()
-    started = False
-    try:
-        _run([str(bin_dir / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust",
-              "-E", "UTF8", "--locale=C", "--no-sync"], "initdb")
-        options = (f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off")
-        _run([pg_ctl, "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start"],
-             f"pg_ctl start (log: {log})")
-        started = True
-        yield f"postgresql+psycopg://{PG_USER}@127.0.0.1:{port}"
-    finally:
-        if started:
-            _stop(pg_ctl, data)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _admin_execute(server_url: str, sql: str) -> None:
-    engine = create_engine(f"{server_url}/postgres", isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.execute(text(sql))
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path) -> str:
     """A URL of a fresh, empty registry database on each backend."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'state' / 'registry.db'}"
-        return
-    server = request.getfixturevalue("postgres_server")
-    name = f"{PG_DATABASE}_{os.getpid()}_{next(_counter)}"
-    _admin_execute(server, f'CREATE DATABASE "{name}"')
-    yield f"{server}/{name}"
-    _admin_execute(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        return f"sqlite:///{tmp_path / 'state' / 'registry.db'}"
+    return request.getfixturevalue("postgres_db")
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The SQL registry (registry/db.py, registry/models.py, registry/migrations) on SQLite and on a
-real PostgreSQL server (tests/registry/conftest.py starts one): migrations, every API method with
+real PostgreSQL server (tests/conftest.py starts one): migrations, every API method with
 real values, idempotency of the writes a resumed campaign repeats, concurrency, errors."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import yaml
@@ -240,3 +241,33 @@ def test_every_field_has_a_description():
                for field, prop in obj.get("properties", {}).items()
                if not prop.get("description")]
     assert missing == []
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    ({"engines": {"rollout": "sglang", "sglang": {"router": "sglang-router"}},
+      "model": {"kind": "warmstart", "moe_experts": 4}, "algorithm": {"routing_replay": "r3"}},
+     "sglang-router drops return_routed_experts"),
+    ({"engines": {"rollout": "sglang", "sglang": {"weight_sync": "nccl"}}},
+     "weight_sync=nccl broadcasts from the Megatron ranks"),
+    ({"engines": {"train": "megatron", "megatron": {"expert_parallel": 2}}},
+     "expert_parallel=2 needs an MoE model"),
+    ({"engines": {"train": "megatron", "megatron": {"expert_parallel": 2}},
+      "model": {"kind": "warmstart", "moe_experts": 4}},
+     "must divide tensor_parallel × data_parallel = 1"),
+    ({"engines": {"train": "megatron", "megatron": {"expert_parallel": 2, "data_parallel": 2}},
+      "model": {"kind": "warmstart", "moe_experts": 3}},
+     "must divide model.moe_experts=3"),
+])
+def test_backend_combinations_rejected(overrides, fragment) -> None:
+    with pytest.raises(RecipeError, match=re.escape(fragment)):
+        recipe_from_dict(overrides)
+
+
+def test_unused_backend_settings_do_not_change_the_hash() -> None:
+    plain = recipe_from_dict({})
+    tuned = recipe_from_dict({"engines": {"megatron": {"tensor_parallel": 4},
+                                          "sglang": {"tp_size": 8}}})
+    assert plain.hash() == tuned.hash()
+    used = recipe_from_dict({"engines": {"train": "megatron",
+                                         "megatron": {"tensor_parallel": 4}}})
+    assert used.hash() != recipe_from_dict({"engines": {"train": "megatron"}}).hash()

@@ -116,13 +116,23 @@ BAD: list[tuple[str, object]] = [
         {"name": "a"}, {"name": "b", "overrides": {"rollout": {"top_p": 2}}}]})),
     ("base recipe invalid", _with("base", {"steps": 0})),
     ("base recipe unknown field", _with("base", {"stepz": 2})),
+    # the file itself (bytes are written as they are)
+    ("not UTF-8", yaml.safe_dump(GOOD).encode().replace(b"baseline", b"base\xe9line", 1)),
+    ("UTF-16", yaml.safe_dump(GOOD).encode("utf-16")),
+    ("control character", yaml.safe_dump(GOOD).encode().replace(b"name: c", b"name: c\x07", 1)),
+    ("duplicate key", b"name: c\nbase: {steps: 2}\nname: d\nstages: [{name: a}]\n"),
+    ("duplicate nested key", b"name: c\nbase: {steps: 2}\nstages:\n- name: a\n  name: b\n"),
+    ("unsafe tag", b"name: !!python/object/apply:os.system [echo hi]\n"),
 ]
 
 
 @pytest.mark.parametrize("label,data", BAD, ids=[b[0] for b in BAD])
 def test_malformed_campaigns_fail_in_one_line(tmp_path, label, data):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(data))
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(yaml.safe_dump(data))
     res = runner.invoke(app, ["campaign", "launch", str(path)])
     assert res.exit_code != 0, label
     assert res.exception is None or isinstance(res.exception, SystemExit), label
@@ -138,6 +148,21 @@ def test_bad_yaml_names_the_line(tmp_path, text):
     res = runner.invoke(app, ["campaign", "launch", str(path)])
     assert res.exit_code == 1
     assert res.stderr.startswith("error: ") and "YAML" in res.stderr
+
+
+@pytest.mark.parametrize(("data", "needle"), [
+    (b"name: caf\xe9\n", "line 1 is not UTF-8 text (byte 0xe9 at offset 9); save it as UTF-8"),
+    (b"name: c\nbase: \x07\n",
+     "line 2, column 7 is not valid YAML (character U+0007 is not allowed in YAML); remove it"),
+    (b"name: c\nbase: {steps: 2}\nname: d\n",
+     "line 3: key 'name' appears twice in the same mapping (first at line 1); remove one"),
+])
+def test_bad_file_names_the_problem_and_the_fix(tmp_path, data, needle):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(data)
+    res = runner.invoke(app, ["campaign", "launch", str(path)])
+    assert res.exit_code == 1
+    assert res.stderr == f"error: {path}: {needle}\n"
 
 
 def test_missing_campaign_file(tmp_path):
