@@ -19,7 +19,7 @@ def test_the_six_recipes_exist():
 def test_recipe_loads_and_matches_its_file_name(path):
     recipe = load_recipe(path)
     assert recipe.name == path.stem
-    mode = path.stem.removesuffix("-moe")
+    mode = path.stem.removesuffix("-moe").removesuffix("-megatron")
     assert recipe.mode == mode
     assert recipe.task.name == "sum_digits"
     assert isinstance(recipe.model, WarmStartModel)

@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +149,6 @@ def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
-@pytest.mark.slow
 def test_kill_9_at_five_points_then_resume(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "ASYNCRL_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}

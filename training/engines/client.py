@@ -18,7 +18,9 @@ of engine URLs:
 - **Re-admission**: an ejected engine whose ``/health`` is 200 again is re-admitted — after the
   router re-sends the last weights it pushed (``update_weights_from_disk``) if the engine reports
   another version, and re-applies a pause in force, so a restarted engine never serves stale
-  weights.
+  weights. With ``resync=False`` (the URL is a router such as sglang-router, not an engine) it is
+  re-admitted as soon as its ``/health`` answers: the engines behind it are brought back by
+  whoever manages them.
 - **Counters** (:meth:`RolloutClient.stats`): requests, completed, rejected (4xx), lost,
   cancelled, retries, failed attempts, ejections, readmissions, weight resyncs — every request
   ends as exactly one of completed / rejected / lost / cancelled; per engine: admitted, in-flight
@@ -132,6 +134,8 @@ class RolloutClient:
         wait_for_engine_s: how long a request waits for an engine when none is admitted.
         moe_layout: (num_layers, top_k) to decode routed experts; read from ``/model_info``
             (or ``config.json`` at the served model path) when None.
+        resync: bring a re-admitted URL to the last pushed weights and pause state (engines);
+            False for a router URL, which has no weights and no pause of its own.
     """
 
     def __init__(self, urls: Sequence[str], *, health_interval_s: float = 1.0,
@@ -139,7 +143,7 @@ class RolloutClient:
                  failures_to_eject: int = 3, max_attempts: int = 4,
                  request_timeout_s: float = 3600.0, connect_timeout_s: float = 3.0,
                  wait_for_engine_s: float = 60.0,
-                 moe_layout: tuple[int, int] | None = None) -> None:
+                 moe_layout: tuple[int, int] | None = None, resync: bool = True) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one engine URL")
         clean = [u.rstrip("/") for u in urls]
@@ -156,6 +160,7 @@ class RolloutClient:
         self.wait_for_engine_s = wait_for_engine_s
         self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
         self._moe_layout = moe_layout
+        self.resync = resync
         self._http: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._admitted_event: asyncio.Event | None = None
@@ -428,6 +433,8 @@ class RolloutClient:
     async def _resync(self, engine: EngineState) -> bool:
         """Bring a returning engine to the fleet's weights and pause state; False to keep it
         ejected for now."""
+        if not self.resync:  # a router: nothing of its own to bring back
+            return True
         try:
             if self._weights is not None:
                 path, version = self._weights

@@ -91,7 +91,8 @@ class SampleBuffer:
 
 
 class TrainerWorker:
-    """The trainer actor: an embedded train engine driven by the Learner.
+    """The trainer actor: the recipe's train engine (embedded or megatron, built by
+    :func:`training.engines.factory.make_train_engine`) driven by the Learner.
 
     Args:
         recipe: ``Recipe.to_dict()``.
@@ -105,7 +106,7 @@ class TrainerWorker:
                  total_optimizer_steps: int) -> None:
         import torch
 
-        from training.engines.embedded.trainer import EmbeddedTrainEngine
+        from training.engines.factory import make_train_engine
         from training.engines.train import OptimConfig
         from training.recipe import Recipe
         from training.runtime.learner import Learner
@@ -116,13 +117,9 @@ class TrainerWorker:
         optim = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
                             lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,
                             total_steps=max(1, total_optimizer_steps))
-        budget = self.recipe.engines.snapshot_budget_mb * 2**20
-        if resume_dir is not None:
-            self.engine = EmbeddedTrainEngine.from_checkpoint(resume_dir,
-                                                              snapshot_budget_bytes=budget)
-        else:
-            self.engine = EmbeddedTrainEngine.from_pretrained(init_dir, optim=optim,
-                                                              snapshot_budget_bytes=budget)
+        # engines.train picks the backend: embedded in this process, megatron as rank actors
+        self.engine = make_train_engine(self.recipe, init_dir=init_dir, resume_dir=resume_dir,
+                                        optim=optim)
         self.learner = Learner(self.engine, self.recipe, reference_dir=init_dir)
 
     def weight_version(self) -> int:

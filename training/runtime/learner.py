@@ -328,7 +328,7 @@ class Learner:
         if alg.kl.mode == "in_reward":
             self._kl_ctrl = (FixedKLController(alg.kl.coef) if alg.kl.target is None else
                              AdaptiveKLController(alg.kl.coef, alg.kl.target, alg.kl.horizon))
-            self._reference = self._load_reference(reference_dir)
+            self._reference = self._load_reference(recipe, reference_dir)
         self.ewma_config: EWMAConfig | None = None
         self.ewma_state: EWMAState | None = None
         self.ewma_resets = 0
@@ -337,19 +337,12 @@ class Learner:
 
     # --- set-up ---------------------------------------------------------------------------------
     @staticmethod
-    def _load_reference(reference_dir: str | Path | None) -> TrainEngine:
-        """The frozen fp32 reference policy of the KL penalty (the run's initial weights)."""
-        if reference_dir is None:
-            raise ValueError("algorithm.kl.mode=in_reward needs the reference model: pass "
-                             "reference_dir= (the run's initial HF checkpoint) or set "
-                             "kl.mode: none")
-        from training.engines.embedded.trainer import EmbeddedTrainEngine
-        from training.engines.hf_io import load_hf_dir
+    def _load_reference(recipe: Recipe, reference_dir: str | Path | None) -> TrainEngine:
+        """The frozen fp32 reference policy of the KL penalty (the run's initial weights), on
+        the recipe's train backend (:func:`training.engines.factory.make_reference_engine`)."""
+        from training.engines.factory import make_reference_engine
 
-        loaded = load_hf_dir(reference_dir, dtype=torch.float32)
-        loaded.model.requires_grad_(False)
-        return EmbeddedTrainEngine(loaded.model, loaded.tokenizer,
-                                   weight_version=loaded.weight_version, snapshot_budget_bytes=0)
+        return make_reference_engine(recipe, reference_dir)
 
     def _init_ewma(self) -> None:
         if not (hasattr(self.engine, "model")

@@ -16,7 +16,14 @@ Ray) and owns:
 - **weight syncs** (:meth:`Rollouter.sync_weights`): with partial rollout the engines are paused
   mid-generation (``retract``: running sequences keep their tokens and per-token versions and are
   re-prefilled under the new weights), the weights are loaded and generation continues; without
-  it, submission stops and the in-flight requests finish before the weights change.
+  it, submission stops and the in-flight requests finish before the weights change. A load that
+  someone else does (each engine directly behind sglang-router; an NCCL broadcast from the
+  trainer) is framed by :meth:`Rollouter.begin_weight_sync` / :meth:`Rollouter.end_weight_sync`,
+  the two halves of the same sync.
+
+Behind sglang-router every request goes through the router (the client sees one "engine", and
+re-admits it without an engine resync); pauses, continues and weight loads go to the engines
+behind it directly (``control_urls``), never through the router.
 
 Every finished sample is scored by the task's reward and, when its group is complete, the group is
 pushed to the sample buffer actor. A sample whose request failed on every engine is re-queued at
@@ -89,16 +96,21 @@ class Rollouter:
         start: resume state from :meth:`state` (None for a fresh run): next group id, groups to
             regenerate, policy step and version, controller and dispatcher state.
         version: the weight version the engines serve at start.
+        control_urls: when ``urls`` is a router (sglang-router), the engines behind it: weight
+            loads, pauses and continues go to them directly, never through the router. None:
+            ``urls`` are the engines themselves.
     """
 
     def __init__(self, recipe: dict[str, Any], urls: list[str], buffer: Any,
-                 start: dict[str, Any] | None = None, version: int = 0) -> None:
+                 start: dict[str, Any] | None = None, version: int = 0,
+                 control_urls: list[str] | None = None) -> None:
         import torch
         torch.set_num_threads(1)
         self.recipe = Recipe.model_validate(recipe)
         self.task = build_task(self.recipe)
         self.tokenizer = CharTokenizer()
         self.urls = list(urls)
+        self.control_urls = list(control_urls) if control_urls else None
         self.buffer = buffer
         r = self.recipe
         a = r.async_
@@ -125,7 +137,8 @@ class Rollouter:
             self.policy_step = int(start.get("policy_step", 0))
             self.controller.load_state_dict(start["controller"])
             self.dispatcher.load_state_dict(start["dispatcher"])
-        self.client: RolloutClient | None = None
+        self.client: RolloutClient | None = None  # generation (through the router, if any)
+        self.control: RolloutClient | None = None  # weights, pause, continue (the engines)
         self._groups: dict[int, _Pending] = {}
         self._in_flight = 0
         self._tasks: set[asyncio.Task] = set()
@@ -147,8 +160,13 @@ class Rollouter:
     async def start(self) -> bool:
         """Open the client and start generating (idempotent)."""
         if self._loop_task is None:
-            self.client = RolloutClient(self.urls, health_interval_s=0.5)
+            self.client = RolloutClient(self.urls, health_interval_s=0.5,
+                                        resync=self.control_urls is None)
             await self.client.start()
+            self.control = self.client
+            if self.control_urls is not None:
+                self.control = RolloutClient(self.control_urls, health_interval_s=0.5)
+                await self.control.start()
             self._wake = asyncio.Event()
             self._loop_task = asyncio.create_task(self._loop())
         return True
@@ -165,6 +183,8 @@ class Rollouter:
                 await asyncio.wait_for(self._loop_task, timeout=5)
         if self.client is not None:
             await self.client.close()
+        if self.control is not None and self.control is not self.client:
+            await self.control.close()
         return True
 
     def _poke(self) -> None:
@@ -307,13 +327,36 @@ class Rollouter:
         ``consumed_samples`` (trained + dropped so far) sets the next rollout_num quota.
         Returns ``async/sync_wait_s`` (waiting for generation to stop) and
         ``async/weight_sync_s`` (loading the weights on the engines).
+
+        It is :meth:`begin_weight_sync`, the load on every engine (directly, also behind a
+        router), then :meth:`end_weight_sync`.
         """
-        assert self.client is not None
+        assert self.control is not None
+        wait_s = await self.begin_weight_sync()
+        try:
+            t1 = time.monotonic()
+            results = await self.control.update_weights_from_disk(path, version)
+            if not any(r.success for r in results):
+                raise RolloutEngineError("no engine loaded the new weights: " + "; ".join(
+                    f"{r.engine_url}: {r.message}" for r in results))
+        except BaseException:
+            self._syncing = False
+            raise
+        return await self.end_weight_sync(version, step, consumed_samples, wait_s,
+                                          time.monotonic() - t1)
+
+    async def begin_weight_sync(self) -> float:
+        """Stop generation for a weight load done by someone else (the driver through each
+        engine, or a broadcast from the trainer): with partial rollout pause the engines
+        (``retract``), otherwise stop dispatching and wait for the in-flight requests. Returns the
+        seconds waited. Follow with :meth:`end_weight_sync` once the engines hold the new weights;
+        until then nothing new is dispatched."""
+        assert self.control is not None
         self._syncing = True
         t0 = time.monotonic()
         try:
             if self.partial_rollout:
-                await self.client.pause_generation("retract")
+                await self.control.pause_generation("retract")
             else:
                 deadline = time.monotonic() + self.sync_timeout_s
                 while self._in_flight > 0:
@@ -322,25 +365,36 @@ class Rollouter:
                             f"{self._in_flight} requests still running {self.sync_timeout_s:.0f} "
                             "s after the sync began; check the rollout engines' logs")
                     await asyncio.sleep(0.01)
-            t1 = time.monotonic()
-            results = await self.client.update_weights_from_disk(path, version)
-            if not any(r.success for r in results):
-                raise RolloutEngineError("no engine loaded the new weights: " + "; ".join(
-                    f"{r.engine_url}: {r.message}" for r in results))
+        except BaseException:
+            self._syncing = False
+            raise
+        return time.monotonic() - t0
+
+    async def end_weight_sync(self, version: int, step: int, consumed_samples: int,
+                              wait_s: float, load_s: float) -> dict[str, float]:
+        """The engines serve weight ``version`` (trainer ``step``) now: continue generation (partial
+        rollout), resume dispatching, and account the sync like :meth:`sync_weights` —
+        ``consumed_samples`` sets the next rollout_num quota, ``wait_s`` / ``load_s`` (from
+        :meth:`begin_weight_sync` and the caller's load) are reported as ``async/sync_wait_s`` /
+        ``async/weight_sync_s`` (the latter includes the continue call)."""
+        assert self.control is not None
+        t0 = time.monotonic()
+        try:
             if self.partial_rollout:
-                await self.client.continue_generation()
-            t2 = time.monotonic()
+                await self.control.continue_generation()
         finally:
             self._syncing = False
+        load_s = float(load_s) + (time.monotonic() - t0)
+        wait_s = float(wait_s)
         self.version = int(version)
         self.policy_step = int(step)
         outstanding = self.controller.submitted_total - int(consumed_samples)
         quota = self.controller.on_sync(step, max(0, outstanding))
         self.counters["syncs"] += 1
-        self._sync_times.append(t2 - t1)
-        self._wait_times.append(t1 - t0)
+        self._sync_times.append(load_s)
+        self._wait_times.append(wait_s)
         self._poke()
-        return {"async/sync_wait_s": t1 - t0, "async/weight_sync_s": t2 - t1,
+        return {"async/sync_wait_s": wait_s, "async/weight_sync_s": load_s,
                 "async/rollout_quota": float(quota), "async/stale_outstanding": float(outstanding)}
 
     async def set_policy_step(self, step: int, dropped_samples: int = 0) -> None:

@@ -57,6 +57,7 @@ log = logging.getLogger("asyncrl.runtime")
 
 ProgressFn = Callable[[int, int, dict[str, float]], None]
 CHECKPOINT_DIR = "checkpoint"
+NCCL_TRAINER_METHODS = ("init_weight_sync_nccl", "push_weights_nccl")
 RUNTIME_STATE = "runtime.json"
 BUFFER_FILE = "buffer.jsonl"
 
@@ -79,7 +80,11 @@ class RunResult:
 
 
 def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = None) -> Path:
-    """The HF directory the run starts from: the cached warm start or the given checkpoint."""
+    """The HF directory the run starts from: the cached warm start or the given checkpoint.
+    Checks first that the recipe's rollout backend can run here (before a minutes-long warm
+    start)."""
+    check_train_backend(recipe)
+    check_rollout_backend(recipe)
     if isinstance(recipe.model, CheckpointModel):
         path = Path(recipe.model.path).expanduser()
         from training.engines.hf_io import read_model_config
@@ -96,6 +101,44 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
                           num_layers=m.num_layers, moe_experts=m.moe_experts,
                           moe_top_k=m.moe_top_k)
     return warm_start(cfg, None, progress=progress).path
+
+
+def check_train_backend(recipe: Recipe) -> None:
+    """Raise a one-line error when ``engines.train`` cannot run here (megatron-core missing,
+    parallel layouts not supported yet) — before Ray starts: an error inside the trainer actor's
+    constructor would reach the user as Ray's ActorDiedError, without the reason."""
+    from training.engines.factory import check_train_backend as check
+
+    check(recipe)
+
+
+def check_rollout_backend(recipe: Recipe) -> None:
+    """Raise :class:`RunError` (one line, with the fix) when ``engines.rollout`` cannot run here:
+    SGLang (the ``gpu`` extra) or sglang-router not installed, sglang-router with R3 routing
+    replay (it drops ``return_routed_experts``, FACTS.md), or ``weight_sync: nccl`` with a
+    trainer actor that cannot broadcast. The embedded backend always can."""
+    e = recipe.engines
+    if e.rollout != "sglang":
+        return
+    from training.engines.sglang.launch import BackendUnavailable, require_router, require_sglang
+
+    s = e.sglang
+    if s.router == "sglang-router" and recipe.algorithm.routing_replay == "r3":
+        raise RunError("engines.sglang.router: sglang-router drops return_routed_experts, so "
+                       "algorithm.routing_replay r3 cannot work through it; use router: asyncrl")
+    try:
+        require_sglang()
+        if s.router == "sglang-router":
+            require_router()
+    except BackendUnavailable as err:
+        raise RunError(str(err)) from None
+    if s.weight_sync == "nccl":
+        from training.runtime.actors import TrainerWorker
+
+        if not all(hasattr(TrainerWorker, m) for m in NCCL_TRAINER_METHODS):
+            raise RunError("engines.sglang.weight_sync: nccl needs the trainer actor's broadcast "
+                           "methods (TrainerWorker.init_weight_sync_nccl / push_weights_nccl), "
+                           "not in this version; use weight_sync: disk")
 
 
 def _step_of(step_start_versions: Sequence[int], version: int) -> int:
@@ -146,7 +189,12 @@ class Runtime:
         self.progress = progress
         self.checkpoint_every = checkpoint_every
         self.stall_timeout_s = stall_timeout_s
-        self.servers: list[Any] = []
+        self.servers: list[Any] = []  # embedded rollout servers
+        self.fleet: Any = None  # SGLang engines (training.engines.sglang.fleet.SGLangFleet)
+        # (fleet launches, engine URLs) when the NCCL weight group was made
+        self._nccl_group: tuple[int, tuple[str, ...]] | None = None
+        # torch.distributed backend of weight_sync: nccl (gloo: CPU tests with stand-in engines)
+        self.weight_sync_backend = "nccl"
         self._started_ray = False
         self._actors: list[Any] = []
         # run state (persisted in runtime.json)
@@ -171,19 +219,25 @@ class Runtime:
         import ray
 
         if not ray.is_initialized():
+            # RAY_ADDRESS (e.g. set by a Prefect work pool's job variables) joins a cluster like
+            # --ray-address; a local Ray cannot be started with it set (ray.init refuses num_cpus)
+            address = self.ray_address or os.environ.get("RAY_ADDRESS") or None
             try:
-                if self.ray_address:
-                    ray.init(address=self.ray_address, log_to_driver=False)
+                if address:
+                    ray.init(address=address, log_to_driver=False)
                 else:
                     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                              log_to_driver=False, logging_level=logging.ERROR)
             except (ConnectionError, RuntimeError, ValueError) as e:
-                where = self.ray_address or "a local Ray instance"
+                where = address or "a local Ray instance"
                 raise RunError(f"cannot start or join {where}: {e}; check --ray-address") from None
             self._started_ray = True
         return ray
 
     def _start_servers(self, checkpoint: Path) -> list[str]:
+        """Start the rollout backend the recipe chose; returns the URLs the rollouter uses."""
+        if self.recipe.engines.rollout == "sglang":
+            return self._start_sglang(checkpoint)
         from training.engines.embedded.launch import EmbeddedServer, start_all
 
         e = self.recipe.engines
@@ -200,6 +254,31 @@ class Runtime:
                            ) from None
         self.servers = servers
         return [s.url for s in servers]
+
+    def _start_sglang(self, checkpoint: Path) -> list[str]:
+        """SGLang engines on Ray actors (GPUs by placement group), optionally behind
+        sglang-router (:class:`~training.engines.sglang.fleet.SGLangFleet`)."""
+        from training.engines.sglang.fleet import FleetError, SGLangFleet
+        from training.paths import state_dir
+
+        ray = self._ray()
+        version = int(read_meta(checkpoint).get("weight_version", 0))
+        self.fleet = SGLangFleet(self.recipe, checkpoint, version,
+                                 log_dir=state_dir() / "logs" / self.run_dir.name)
+        try:
+            return self.fleet.start(ray)
+        except FleetError as err:
+            raise RunError(str(err).splitlines()[0]) from None
+
+    def _engines_alive(self, ray: Any) -> bool:
+        if self.fleet is not None:
+            return self.fleet.alive(ray)
+        return any(s.alive() for s in self.servers)
+
+    def _engine_logs(self) -> str:
+        if self.fleet is not None:
+            return str(self.fleet.log_dir)
+        return str(self.servers[0].log_path.parent)
 
     def _load_resume_state(self) -> dict[str, Any]:
         ckpt = self.run_dir / CHECKPOINT_DIR
@@ -220,6 +299,8 @@ class Runtime:
 
     # --- the run ------------------------------------------------------------------------------
     def run(self) -> RunResult:
+        check_train_backend(self.recipe)
+        check_rollout_backend(self.recipe)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_state = self._load_resume_state() if self.resume else None
         if resume_state is None:
@@ -329,8 +410,12 @@ class Runtime:
             groups = _read_buffer_file(self.run_dir / CHECKPOINT_DIR / BUFFER_FILE)
             ids = [g["group_id"] for g in groups] + list(start["regenerate"])
             ray.get(self.buffer.restore.remote(groups, ids))
+        # behind sglang-router the rollouter generates through it, and pauses, continues and
+        # loads weights on the engines directly
+        control = (list(self.fleet.engine_urls)
+                   if self.fleet is not None and self.fleet.router_url else None)
         self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
-            data, urls, self.buffer, start, version0)
+            data, urls, self.buffer, start, version0, control_urls=control)
         self._actors = [self.rollouter, self.trainer, self.buffer]
         try:
             ray.get([self.trainer.ping.remote(), self.rollouter.start.remote()])
@@ -355,12 +440,14 @@ class Runtime:
                 err = ray.get(self.rollouter.error.remote())
                 if err:
                     raise RunError(err)
-                if not any(s.alive() for s in self.servers):
+                if not self._engines_alive(ray):
+                    if self.fleet is not None:
+                        raise RunError(f"every rollout engine died: {self.fleet.failure(ray)}")
                     raise RunError("every rollout engine died; see the engine logs in "
-                                   f"{self.servers[0].log_path.parent}")
+                                   f"{self._engine_logs()}")
                 if time.monotonic() - last_progress > self.stall_timeout_s:
                     raise RunError(f"no samples arrived for {self.stall_timeout_s:.0f} s; check "
-                                   f"the engine logs in {self.servers[0].log_path.parent}")
+                                   f"the engine logs in {self._engine_logs()}")
                 continue
             last_progress = time.monotonic()
             self.consumed_samples += sum(g.n for g in got)
@@ -440,13 +527,105 @@ class Runtime:
         return metrics
 
     def _sync(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
-        """The parameter synchroniser: export the trainer's weights, load them on the engines."""
-        t0 = time.monotonic()
+        """The parameter synchroniser: new weights onto the engines, by the recipe's path —
+        an HF export loaded from disk through the rollouter's client (embedded; SGLang with
+        ``weight_sync: disk``), loaded by each engine directly (behind sglang-router), or an
+        NCCL broadcast from the trainer (``weight_sync: nccl``)."""
+        if self.fleet is not None:
+            s = self.recipe.engines.sglang
+            if s.weight_sync == "nccl":
+                return self._sync_nccl(ray, version, next_step)
+            if s.router == "sglang-router":
+                return self._sync_direct(ray, version, next_step)
+        out = self._sync_disk(ray, version, next_step)
+        if self.fleet is not None:  # a restarted engine comes back with these weights
+            self.fleet.set_weights(ray, str(self.run_dir / "weights" / f"v{version}"), version)
+        return out
+
+    def _export(self, ray: Any, version: int) -> Path:
         target = self.run_dir / "weights" / f"v{version}"
         if version != self._last_synced or not target.is_dir():
             # always a fresh export: a directory left by a run that was interrupted after its
             # last checkpoint holds other weights under the same version number
             ray.get(self.trainer.export.remote(str(target)))
+        return target
+
+    def _prune_exports(self, version: int, keep: Path) -> None:
+        for old in (self.run_dir / "weights").glob("v*"):  # keep the last two exports
+            with contextlib.suppress(ValueError):
+                if int(old.name[1:]) < version - 1 and old != keep:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def _sync_direct(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
+        """Behind sglang-router: drain generation, load the export on every engine through its
+        actor (never through the router), resume."""
+        t0 = time.monotonic()
+        target = self._export(ray, version)
+        self._last_synced = version
+        self.synced_versions.append(version)
+        t1 = time.monotonic()
+        wait_s = float(ray.get(self.rollouter.begin_weight_sync.remote()))
+        t2 = time.monotonic()
+        results = self.fleet.push_weights(ray, str(target), version)
+        if not any(r["success"] for r in results):
+            raise RunError(f"weight sync to version {version} failed on every engine: "
+                           f"{results[0]['message']}")
+        load_s = time.monotonic() - t2
+        out = dict(ray.get(self.rollouter.end_weight_sync.remote(
+            version, next_step, self.consumed_samples, wait_s, load_s)))
+        self.counters["sync_time_s"] += (t1 - t0) + load_s
+        self.counters["sync_wait_s"] += wait_s
+        self._prune_exports(version, target)
+        out["async/weight_export_s"] = t1 - t0
+        return out
+
+    def _sync_nccl(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
+        """Broadcast from the trainer: the trainer actor joins one process group with every ready
+        engine (again, under a new name, after an engine restarted: the group lost a member),
+        then per sync the rollouter stops generation, the trainer broadcasts, generation
+        resumes."""
+        self._nccl_init(ray)
+        self._last_synced = version
+        self.synced_versions.append(version)
+        wait_s = float(ray.get(self.rollouter.begin_weight_sync.remote()))
+        t0 = time.monotonic()
+        try:
+            report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
+        except ray.exceptions.RayTaskError as e:
+            raise RunError(f"NCCL weight sync to version {version} failed: {_first_line(e)}"
+                           ) from None
+        load_s = time.monotonic() - t0
+        out = dict(ray.get(self.rollouter.end_weight_sync.remote(
+            version, next_step, self.consumed_samples, wait_s, load_s)))
+        self.counters["sync_time_s"] += load_s
+        self.counters["sync_wait_s"] += wait_s
+        out["async/weight_sync_bytes"] = float(report.get("bytes", 0) or 0)
+        out["async/weight_broadcast_s"] = float(report.get("broadcast_seconds", 0.0) or 0.0)
+        return out
+
+    def _nccl_init(self, ray: Any) -> None:
+        """(Re)make the weight group when the ready engines changed since it was made."""
+        launches = self.fleet.launches(ray)
+        urls = tuple(st["url"] for st in self.fleet.statuses(ray) if st["state"] == "ready")
+        if (launches, urls) == self._nccl_group:
+            return
+        if not urls:
+            raise RunError("NCCL weight sync: no SGLang engine is ready "
+                           f"({self.fleet.failure(ray)})")
+        try:
+            # the trainer hosts the rendezvous (rank 0) at its node's address, on a free port
+            ray.get(self.trainer.init_weight_sync_nccl.remote(
+                list(urls), self.recipe.engines.sglang.tp_size, f"asyncrl-weights-{launches}",
+                self.fleet.host, self.weight_sync_backend))
+        except ray.exceptions.RayTaskError as e:
+            raise RunError(f"NCCL weight group with the engines failed: {_first_line(e)}"
+                           ) from None
+        self._nccl_group = (launches, urls)
+
+    def _sync_disk(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
+        """Export the trainer's weights, load them on the engines (through the rollouter)."""
+        t0 = time.monotonic()
+        target = self._export(ray, version)
         self._last_synced = version
         self.synced_versions.append(version)
         t1 = time.monotonic()
@@ -459,10 +638,7 @@ class Runtime:
             raise RunError(f"weight sync to version {version} failed: {first}") from None
         self.counters["sync_time_s"] += (t1 - t0) + out["async/weight_sync_s"]
         self.counters["sync_wait_s"] += out["async/sync_wait_s"]
-        for old in (self.run_dir / "weights").glob("v*"):  # keep the last two exports
-            with contextlib.suppress(ValueError):
-                if int(old.name[1:]) < version - 1 and old != target:
-                    shutil.rmtree(old, ignore_errors=True)
+        self._prune_exports(version, target)
         out["async/weight_export_s"] = t1 - t0
         return out
 
@@ -509,6 +685,10 @@ class Runtime:
                      self.recipe), "total_steps": self.total_steps}
         (tmp / RUNTIME_STATE).write_text(json.dumps(state))
         move_into_place(tmp, final)
+        if self.fleet is not None and self.recipe.engines.sglang.weight_sync == "nccl":
+            # NCCL syncs leave nothing on disk: a restarted engine comes back with the last
+            # checkpoint's weights (and reports their version, so its samples count as stale)
+            self.fleet.set_weights(ray, str(final / "hf"), self.step_start_versions[-1])
 
     def _restore_counters(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -528,6 +708,9 @@ class Runtime:
                 for a in self._actors:
                     with contextlib.suppress(Exception):
                         ray.kill(a)
+                if self.fleet is not None:
+                    self.fleet.stop(ray)
+                    self.fleet = None
                 if self._started_ray:
                     ray.shutdown()
         finally:
@@ -535,6 +718,13 @@ class Runtime:
                 with contextlib.suppress(Exception):
                     s.stop()
             self.servers = []
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of a Ray task error's cause."""
+    cause = getattr(err, "cause", None) or err
+    text = str(cause).strip()
+    return text.splitlines()[0] if text else repr(cause)
 
 
 def _identity(recipe: Recipe) -> str:

@@ -199,3 +199,48 @@ def test_malformed_requests_are_rejected_once_without_retry_or_ejection(fleet):
     assert sum(e["rejected"] for e in s.engines.values()) == bad
     assert all(e["in_flight"] == 0 and e["outstanding_tokens"] == 0
                for e in s.engines.values())
+
+
+@pytest.mark.parametrize("resync", [True, False])
+def test_a_router_url_is_readmitted_without_an_engine_resync(resync):
+    """A router (sglang-router) answers /health but has no /continue_generation: with
+    ``resync=False`` it comes back as soon as it is healthy again; an engine-style resync would
+    keep it out."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state = {"healthy": True, "posts": []}
+
+    class Router(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200 if state["healthy"] and self.path == "/health" else 503)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def do_POST(self):
+            state["posts"].append(self.path)
+            self.send_response(404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with SyncRolloutClient([url], health_interval_s=0.05, resync=resync) as client:
+            state["healthy"] = False
+            _wait(lambda: client.stats().ejections == 1)
+            state["healthy"] = True
+            if resync:
+                time.sleep(0.5)
+                assert client.stats().readmissions == 0
+                assert "/continue_generation" in state["posts"]
+            else:
+                _wait(lambda: client.stats().readmissions == 1)
+                assert state["posts"] == []
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -16,6 +16,13 @@ training.engines.embedded.server``). Endpoints, with SGLang 0.5.x field names:
   field answers HTTP 400 ``{"error": {"message"}}`` naming the field and the fix.
 - ``POST /update_weights_from_disk`` {model_path, weight_version?, abort_all_requests?} →
   {success, message}; a bad path keeps the old weights (HTTP 400, success false).
+- ``POST /init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
+  group_name, backend} → {success, message}: join a weight-broadcast group as rank
+  ``rank_offset`` (gloo only: the server is CPU-only); ``POST /update_weights_from_distributed``
+  {names, dtypes, shapes, group_name, weight_version?, flush_cache?}: receive those tensors by
+  broadcast from rank 0 in list order and serve them (HF names; loaded as a checkpoint's would
+  be, in the server precision), reporting ``weight_version`` when given
+  (:mod:`training.engines.sglang.nccl_sync` is the sender).
 - ``POST /pause_generation`` {mode: abort | retract | in_place}, ``POST /continue_generation``,
   ``POST /abort_request`` {rid | abort_all}, ``GET|POST /flush_cache`` (no prefix cache: no-op).
 - ``GET /health``, ``GET /health_generate`` (a one-token generation), ``GET /model_info``
@@ -114,6 +121,7 @@ class ServerState:
         self.name = cfg.served_model_name or Path(self.model_path).name
         self.started = time.time()
         self.update_lock = asyncio.Lock()
+        self.weight_groups: dict[str, Any] = {}  # /init_weights_update_group: name → group
 
     @property
     def tokenizer(self) -> CharTokenizer:
@@ -400,6 +408,79 @@ def create_app(state: ServerState) -> FastAPI:
         return {"success": True, "message": f"loaded {state.model_path} as weight_version "
                                             f"{core.weight_version}", "num_paused_requests": 0}
 
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await _json_or_empty(request)
+        try:
+            args = (str(body["master_address"]), int(body["master_port"]),
+                    int(body["rank_offset"]), int(body["world_size"]))
+            name, backend = str(body.get("group_name", "")), str(body.get("backend", "gloo"))
+        except (KeyError, TypeError, ValueError) as e:
+            return JSONResponse({"success": False, "message": (
+                f"malformed body ({type(e).__name__}: {e}); send master_address, master_port, "
+                "rank_offset, world_size, group_name, backend")}, 400)
+        if backend != "gloo":
+            return JSONResponse({"success": False, "message": (
+                f"backend {backend!r}: the embedded server runs on CPU; use backend gloo")}, 400)
+        from training.engines.sglang.nccl_sync import new_weight_group
+
+        try:
+            group = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: new_weight_group(*args, group_name=name, backend=backend,
+                                               timeout_s=120.0))
+        except Exception as e:  # rendezvous timeout, refused connection
+            return JSONResponse({"success": False, "message": (
+                f"could not join weight group {name!r} at {args[0]}:{args[1]}: "
+                f"{type(e).__name__}: {e}")}, 500)
+        state.weight_groups[name] = group
+        return {"success": True, "message": f"joined weight group {name!r} as rank {args[2]}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await _json_or_empty(request)
+        name = str(body.get("group_name", ""))
+        group = state.weight_groups.get(name)
+        if group is None:
+            return JSONResponse({"success": False, "message": (
+                f"no weight group {name!r}; call /init_weights_update_group first")}, 400)
+        try:
+            names = [str(n) for n in body["names"]]
+            dtypes = [getattr(torch, str(d)) for d in body["dtypes"]]
+            shapes = [[int(x) for x in shp] for shp in body["shapes"]]
+            if not len(names) == len(dtypes) == len(shapes) or not all(
+                    isinstance(d, torch.dtype) for d in dtypes):
+                raise ValueError("names, dtypes and shapes must be lists of the same length")
+            version = body.get("weight_version")
+            version = None if version is None else int(version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            return JSONResponse({"success": False, "message": (
+                f"malformed body ({type(e).__name__}: {e})")}, 400)
+        async with state.update_lock:
+            def receive() -> list[torch.Tensor]:
+                import torch.distributed as dist
+
+                tensors = [torch.empty(shp, dtype=d) for shp, d in zip(shapes, dtypes,
+                                                                       strict=True)]
+                for t in tensors:  # the sender broadcasts in list order
+                    dist.broadcast(t, src=0, group=group)
+                return tensors
+
+            loop = asyncio.get_running_loop()
+            try:
+                tensors = await loop.run_in_executor(None, receive)
+                model = await loop.run_in_executor(
+                    None, _with_weights, core.model, dict(zip(names, tensors, strict=True)),
+                    core.precision)
+                await asyncio.wrap_future(core.swap_weights(
+                    model, core.weight_version if version is None else version))
+            except (RuntimeError, ValueError, KeyError) as e:
+                return JSONResponse({"success": False, "message": (
+                    f"weight update over group {name!r} failed: {e}; still serving "
+                    f"weight_version {core.weight_version}")}, 400)
+            state.model_path = f"(broadcast over {name})"
+        return {"success": True, "message": f"loaded {len(names)} tensors as weight_version "
+                                            f"{core.weight_version}"}
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body = await _json_or_empty(request)
@@ -498,6 +579,25 @@ def create_app(state: ServerState) -> FastAPI:
                  "num_reqs": core.state()["running"] + core.state()["waiting"]}]
 
     return app
+
+
+def _with_weights(model: CausalLM, weights: dict[str, torch.Tensor],
+                  precision: PrecisionConfig) -> CausalLM:
+    """A copy of the served ``model`` with ``weights`` (HF names, any dtype) loaded as a
+    checkpoint's would be: in fp32, then put into the server precision."""
+    import copy
+
+    new = copy.deepcopy(model).float()
+    params = new.state_dict()  # shares storage with the parameters (a tied head included)
+    with torch.no_grad():
+        for name, t in weights.items():
+            if name not in params:
+                raise KeyError(f"{name!r} is not a weight of the served model")
+            if tuple(params[name].shape) != tuple(t.shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} != the served model's "
+                                 f"{tuple(params[name].shape)}")
+            params[name].copy_(t.to(torch.float32))
+    return apply_precision(new, precision)
 
 
 async def _json_or_empty(request: Request) -> dict[str, Any]:

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, agg_loss
+from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.hf_io import (
     CheckpointError,
     check_hf_dir,
@@ -60,17 +60,23 @@ from training.engines.hf_io import (
     save_hf_dir,
 )
 from training.engines.model import CausalLM, ModelConfig
+from training.engines.objective import (
+    PolicyObjective,
+    accumulate_gradients,
+    check_train_inputs,
+    log_probs_per_token_version,
+    merge_loss_metrics,
+    response_log_probs,
+    step_metrics,
+)
 from training.engines.train import (
-    ACCUMULATION_MODES,
     ROUTING_MODES,
     LogProbResult,
     OptimConfig,
     SnapshotUnavailableError,
     TokenBatch,
-    loss_agg_mode_for,
     lr_multiplier,
     micro_batch_slices,
-    micro_batch_weights,
     sequence_key,
 )
 from training.tasks.tokenizer import CharTokenizer
@@ -210,31 +216,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ------------------------------------------------------------------------------------------------
-# Metrics
-# ------------------------------------------------------------------------------------------------
-
-
-def _merge_metrics(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
-    """Combine per-micro-batch loss metrics: ``*/max`` → max, ``*/min`` → min, else the mean
-    weighted by the micro-batch loss weights (exact for means; quantiles are approximate)."""
-    if not parts:
-        return {}
-    total_w = sum(w for _, w in parts)
-    out: dict[str, float] = {}
-    for key in parts[0][0]:
-        values = [(m[key], w) for m, w in parts if key in m]
-        if key.endswith("/max"):
-            out[key] = max(v for v, _ in values)
-        elif key.endswith("/min"):
-            out[key] = min(v for v, _ in values)
-        elif total_w > 0:
-            out[key] = sum(v * w for v, w in values) / total_w
-        else:
-            out[key] = sum(v for v, _ in values) / len(values)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,21 +389,7 @@ class EmbeddedTrainEngine:
         attn = batch.attention_mask[:, :width].to(self.device)
         replay_t = None if replay is None else self._pack_routes(batch, replay, width)
         logits, routes = model(ids, attention_mask=attn, replay_routes=replay_t)
-        valid = batch.valid_response_mask.to(self.device)
-        # response token j of row b sits at P_b + j and is predicted at position P_b + j − 1
-        pos = batch.prompt_lens[:, None] - 1 + torch.arange(batch.response_len)[None, :]
-        pos = torch.where(batch.valid_response_mask, pos, torch.zeros_like(pos)).to(self.device)
-        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        z = picked.float() / temperature  # (b, T, V): the rollout engine's logits / T
-        log_probs_all = torch.log_softmax(z, dim=-1)
-        targets = batch.responses.to(self.device)
-        lp = log_probs_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        lp = torch.where(valid, lp, torch.zeros_like(lp))
-        entropy = None
-        if with_entropy:
-            # H = logsumexp(z) − Σ_v softmax(z)_v z_v  (finite even where a probability underflows)
-            ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-            entropy = torch.where(valid, ent, torch.zeros_like(ent))
+        lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
         per_seq = None
         if routes is not None:
             per_seq = tuple(routes[i, : int(batch.total_lens[i]) - 1].to("cpu", torch.int32)
@@ -614,26 +581,9 @@ class EmbeddedTrainEngine:
     ) -> LogProbResult:
         """Each response token under the version that generated it (seed 003: partial rollouts
         span updates). One forward per distinct version over the rows that use it."""
-        shape = (batch.batch_size, batch.response_len)
-        if tuple(versions.shape) != shape:
-            raise ValueError(f"per-token versions must be (B, T) = {shape}, got "
-                             f"{tuple(versions.shape)}")
-        valid = batch.valid_response_mask
-        versions = torch.where(valid, versions.to(torch.long), torch.zeros(shape, dtype=torch.long))
-        lp = torch.zeros(shape)
-        ent = torch.zeros(shape) if with_entropy else None
-        for v in sorted(set(versions[valid].tolist())):
-            hit = valid & (versions == v)
-            rows = hit.any(dim=1).nonzero().reshape(-1)
-            res = self.compute_log_probs(batch.select(rows), routing=routing, version=int(v),
-                                         temperature=temperature, with_entropy=with_entropy,
-                                         r2_version=r2_version, micro_batch_size=micro_batch_size)
-            sel = hit[rows]
-            lp[rows] = torch.where(sel, res.log_probs, lp[rows])
-            if ent is not None and res.entropy is not None:
-                ent[rows] = torch.where(sel, res.entropy, ent[rows])
-        return LogProbResult(log_probs=lp, entropy=ent, routes=None, weight_version=None,
-                             token_versions=versions)
+        return log_probs_per_token_version(
+            self.compute_log_probs, batch, versions, routing=routing, temperature=temperature,
+            with_entropy=with_entropy, r2_version=r2_version, micro_batch_size=micro_batch_size)
 
     # --- training -----------------------------------------------------------------------------
     def train_step(
@@ -663,29 +613,14 @@ class EmbeddedTrainEngine:
         """
         t0 = time.perf_counter()
         _check_temperature(temperature)
-        if accumulation not in ACCUMULATION_MODES:
-            raise ValueError(f"accumulation={accumulation!r}; use one of "
-                             f"{', '.join(ACCUMULATION_MODES)}")
-        shape = (batch.batch_size, batch.response_len)
-        named = {"advantages": advantages, "old_log_prob": old_log_prob}
-        if rollout_is_weights is not None:
-            named["rollout_is_weights"] = rollout_is_weights
-        for name, tensor in named.items():
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must be (B, T) = "
-                                 f"{shape} like batch.response_mask")
-        loss_fn = POLICY_LOSSES.get(loss_name)
-        cfg = loss_config or PolicyLossConfig()
-        agg_mode = loss_agg_mode_for(loss_name, cfg)
+        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights, accumulation)
+        dev = self.device
+        objective = PolicyObjective.build(
+            batch, advantages, old_log_prob, loss_name=loss_name, loss_config=loss_config,
+            rollout_is_weights=rollout_is_weights, entropy_coeff=entropy_coeff, device=dev)
         version = self._version
         replay = self._replay_for(batch, routing, version, r2_version)
         record = replay is None and self.model.config.is_moe
-        slices = micro_batch_slices(batch.batch_size, micro_batch_size)
-        dev = self.device
-        mask = batch.response_mask.to(dev)
-        adv = advantages.detach().to(dev, torch.float32)
-        old = old_log_prob.detach().to(dev, torch.float32)
-        isw = None if rollout_is_weights is None else rollout_is_weights.detach().to(dev)
 
         def forward(s: slice, grad: bool):
             with torch.set_grad_enabled(grad):
@@ -696,53 +631,14 @@ class EmbeddedTrainEngine:
                 self._remember_routes(mb, version, routes)
             return lp, ent
 
-        def objective(lp, ent, rows):
-            m = mask if rows is None else mask[rows]
-            pick = (lambda x: x) if rows is None else (lambda x: x[rows])
-            pg, metrics = loss_fn(pick(old), lp, pick(adv), m, cfg,
-                                  None if isw is None else pick(isw))
-            loss = pg
-            if entropy_coeff:
-                loss = loss - entropy_coeff * agg_loss(ent, m, agg_mode, cfg.loss_scale_factor)
-            return loss, pg, metrics
-
         self.model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        active = [s for s in slices if bool(mask[s].any())]  # rows without loss tokens: no grad
-        entropies = torch.zeros(shape, device=dev)
-        loss_value = pg_value = 0.0
-        parts: list[tuple[dict[str, float], float]] = []
-        if accumulation == "scaled":
-            weights = micro_batch_weights(batch.response_mask, slices, agg_mode)
-            for s, w in zip(slices, weights, strict=True):
-                if s not in active:
-                    continue
-                lp, ent = forward(s, grad=True)
-                loss, pg, m = objective(lp, ent, s)
-                (loss * w).backward()
-                loss_value += w * float(loss.detach())
-                pg_value += w * float(pg.detach())
-                parts.append((m, w))
-                entropies[s] = ent.detach()
-        else:
-            # exact for any loss: evaluate the loss on the full batch with micro-batch m's rows
-            # carrying the gradient and the other rows detached (same values, computed first)
-            full_lp = torch.zeros(shape, device=dev)
-            for s in active:
-                lp, ent = forward(s, grad=False)
-                full_lp[s], entropies[s] = lp, ent
-            for s in active:
-                lp, ent = forward(s, grad=True)
-                rows = torch.arange(batch.batch_size, device=dev)[s]
-                loss, pg, m = objective(full_lp.index_copy(0, rows, lp),
-                                        entropies.index_copy(0, rows, ent), None)
-                loss.backward()
-                loss_value, pg_value = float(loss.detach()), float(pg.detach())
-                parts = [(m, 1.0)]
-        metrics = _merge_metrics(parts)
+        acc = accumulate_gradients(batch, objective, forward, micro_batch_size=micro_batch_size,
+                                   accumulation=accumulation, device=dev)
+        metrics = merge_loss_metrics(acc.parts)
         grad_norm = self._clip_gradients()
         lr = self.optim.lr * lr_multiplier(self.optim, self._step)
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(acc.loss))
         if not skipped:
             if self._snapshots.budget_bytes > 0:
                 self._snapshots.put(version, self._current_weights_cpu())
@@ -752,24 +648,11 @@ class EmbeddedTrainEngine:
             self._step += 1
             self._version += 1
         self._optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - t0
-        ent_mean = float(entropies[mask].mean()) if bool(mask.any()) else 0.0
-        metrics.update({
-            "train/loss": loss_value,
-            "train/pg_loss": pg_value,
-            "train/entropy": ent_mean,
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/skipped_step": float(skipped),
-            "train/weight_version": float(self._version),
-            "train/step": float(self._step),
-            "train/num_sequences": float(batch.batch_size),
-            "train/num_tokens": float(batch.num_tokens),
-            "train/num_loss_tokens": float(batch.num_loss_tokens),
-            "train/micro_batches": float(len(slices)),
-            "train/step_time_s": elapsed,
-            "train/tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
-        })
+        metrics.update(step_metrics(
+            batch, loss=acc.loss, pg_loss=acc.pg_loss, entropies=acc.entropies,
+            mask=objective.mask, grad_norm=grad_norm, lr=lr, skipped=skipped,
+            weight_version=self._version, step=self._step, micro_batches=acc.micro_batches,
+            elapsed=time.perf_counter() - t0))
         return metrics
 
     def _clip_gradients(self) -> float:

@@ -1,0 +1,158 @@
+"""NCCL weight sync, run on CPU with gloo: the trainer's broadcaster against two stand-in engines
+(real HTTP servers in their own processes that record every request and play SGLang's side:
+join the group at their rank offset, receive each bucket's tensors by broadcast in list order).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+import torch
+
+from training.engines.embedded.launch import free_port
+from training.engines.sglang.nccl_sync import (
+    NcclWeightSync,
+    bucket_by_bytes,
+    init_group_payload,
+    rank_offsets,
+    update_payload,
+)
+
+FAKE_ENGINE = textwrap.dedent('''
+    import json, sys, threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import torch, torch.distributed as dist
+    from training.engines.sglang.nccl_sync import new_weight_group
+
+    requests, received, state = [], {}, {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _answer(self, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._answer({})
+            self._answer({"requests": requests, "received": received,
+                          "version": state.get("version")})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            requests.append({"path": self.path, "body": body})
+            if self.path == "/init_weights_update_group":
+                state["group"] = new_weight_group(
+                    body["master_address"], body["master_port"], body["rank_offset"],
+                    body["world_size"], body["group_name"], body["backend"], 60)
+                return self._answer({"success": True, "message": "joined"})
+            if self.path == "/update_weights_from_distributed":
+                tensors = [torch.empty(s, dtype=getattr(torch, d))
+                           for d, s in zip(body["dtypes"], body["shapes"])]
+                for t in tensors:  # in list order, like SGLang's model runner
+                    dist.broadcast(t, src=0, group=state["group"])
+                for name, t in zip(body["names"], tensors):
+                    received[name] = {"dtype": str(t.dtype), "values": t.float().flatten().tolist()}
+                if body.get("weight_version") is not None:
+                    state["version"] = body["weight_version"]
+                return self._answer({"success": True, "message": "loaded"})
+            self.send_response(404)
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
+    print("ready", flush=True)
+    server.serve_forever()
+''')
+
+
+@pytest.fixture
+def engines(tmp_path):
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, str(script), str(p)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url, proc in zip(urls, procs, strict=True):
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "fake engine did not start"
+                time.sleep(0.1)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_payloads_rank_offsets_and_buckets():
+    assert init_group_payload("10.0.0.1", 29500, 1, 5, "g", "nccl") == {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
+        "world_size": 5, "group_name": "g", "backend": "nccl"}
+    with pytest.raises(ValueError, match="rank 0 is the trainer"):
+        init_group_payload("h", 1, 0, 3)
+    assert update_payload(["a", "b"], ["bfloat16"] * 2, [(2, 3), (4,)], "g", 7, True) == {
+        "names": ["a", "b"], "dtypes": ["bfloat16", "bfloat16"], "shapes": [[2, 3], [4]],
+        "group_name": "g", "flush_cache": True, "weight_version": "7"}
+    assert "weight_version" not in update_payload(["a"], ["bfloat16"], [(1,)], "g", None, False)
+    assert rank_offsets([2, 2, 1]) == ([1, 3, 5], 6)  # engine e's TP ranks follow the trainer
+    assert bucket_by_bytes([("a", 40), ("b", 40), ("c", 200), ("d", 10)], 100) == [
+        ["a", "b"], ["c"], ["d"]]
+
+
+def test_broadcast_reaches_every_engine_in_buckets(engines):
+    gen = torch.Generator().manual_seed(0)
+    state = {"model.embed_tokens.weight": torch.randn(6, 4, generator=gen),
+             "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=gen),
+             "model.norm.weight": torch.randn(4, generator=gen)}
+    sync = NcclWeightSync(engines, 1, master_address="127.0.0.1", master_port=free_port(),
+                          group_name="test-weights", backend="gloo",
+                          bucket_bytes=112)  # bf16: 48 + 64 bytes, then 8 → 2 buckets
+    try:
+        sync.init_group()
+        report = sync.push(state, version=7)
+        assert (report.tensors, report.buckets, report.version) == (3, 2, 7)
+        assert report.bytes == (24 + 32 + 4) * 2
+    finally:
+        sync.close()
+
+    for offset, url in zip((1, 2), engines, strict=True):
+        seen = httpx.get(url + "/recorded").json()
+        paths = [r["path"] for r in seen["requests"]]
+        assert paths == ["/init_weights_update_group", "/update_weights_from_distributed",
+                         "/update_weights_from_distributed"]
+        init = seen["requests"][0]["body"]
+        assert init["rank_offset"] == offset and init["world_size"] == 3
+        assert init["group_name"] == "test-weights" and init["backend"] == "gloo"
+        first, last = (r["body"] for r in seen["requests"][1:])
+        assert first["names"] == ["model.embed_tokens.weight",
+                                  "model.layers.0.mlp.down_proj.weight"]
+        assert first["shapes"] == [[6, 4], [4, 8]] and first["dtypes"] == ["bfloat16"] * 2
+        assert "weight_version" not in first and first["flush_cache"] is False
+        assert last["names"] == ["model.norm.weight"] and last["weight_version"] == "7"
+        assert last["flush_cache"] is True
+        assert seen["version"] == "7"
+        for name, tensor in state.items():
+            got = seen["received"][name]
+            assert got["dtype"] == "torch.bfloat16"
+            assert got["values"] == tensor.to(torch.bfloat16).float().flatten().tolist()
+    json.dumps(report.__dict__)  # plain numbers, loggable as metrics

@@ -1,0 +1,1036 @@
+"""One rank of the Megatron train engine: a megatron-core GPTModel shard and its optimizer.
+
+:class:`MegatronRank` is what runs inside each rank process (a Ray actor, or the calling process
+for an in-process world of size 1). The driver-side :class:`~training.engines.megatron.engine.
+MegatronTrainEngine` calls the same method on every rank and returns rank 0's answer; every
+method that communicates is therefore entered by all ranks in the same order.
+
+How it departs from the embedded engine (:mod:`training.engines.embedded.trainer`, whose
+semantics it follows: versions, snapshots, R2 route cache, skipped non-finite steps):
+
+* **Model.** megatron-core's GPTModel (local layer spec, no TransformerEngine), fp32, wrapped in
+  megatron's DistributedDataParallel; weights converted from / to HF by
+  :mod:`training.engines.megatron.convert`. The logits are gathered over tensor-parallel ranks
+  and padded vocabulary rows dropped, then the log-prob/entropy maths and the whole loss path are
+  :mod:`training.engines.objective` — the embedded engine's code.
+* **Routing.** MoE routes are recorded and replayed with megatron's ``RouterReplay`` (RECORD /
+  REPLAY_FORWARD, ``moe_enable_routing_replay=True``); SGLang-layout routes (P+O−1, L, k) become
+  per layer ``[S·B, k]`` indices in megatron's sequence-major token order. The router instances are
+  driven one by one (never through RouterReplay's process-global list, which would mix models).
+* **Data parallelism.** ``train_step`` gives micro-batch i to DP rank i mod DP; gradients are
+  *summed* over DP (``calculate_per_token_loss``) because every micro-batch loss already carries
+  its share of the global normaliser. Log-prob passes run the whole batch on every rank (simple and
+  exact; DP gives no speed-up there).
+* **Optimizer.** ``get_megatron_optimizer`` (torch AdamW underneath on machines without apex /
+  TransformerEngine; the FP32 optimizer, or the DistributedOptimizer); learning rate and weight
+  decay (× megatron's per-group ``wd_mult``: no decay on 1-D weights) are set before each step
+  from the OptimConfig schedule; gradient clipping by megatron's global norm.
+* **Checkpoints.** ``dist_checkpointing`` (model + optimizer) in ``megatron/``, plus an HF export
+  of the current weights (so the directory is also an HF model directory), ``trainer_state.pt``
+  and per-rank RNG / snapshot files. Everything is read and validated, and the sharded tensors are
+  loaded into copies, before the live weights change; every rank agrees on the outcome.
+
+Limits: pipeline_parallel and expert_parallel must be 1 (the conversion supports EP; the engine's
+micro-batch sharding does not yet); checkpoints written with different parallel sizes are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from training.algorithms.policy_loss import PolicyLossConfig
+from training.engines.embedded.trainer import (
+    RouteCache,
+    SnapshotStore,
+    _check_temperature,
+    _read_routes,
+    _read_weights,
+    _rng_state,
+    _set_rng_state,
+)
+from training.engines.hf_io import (
+    CheckpointError,
+    check_hf_dir,
+    move_into_place,
+    read_meta,
+    read_model_config,
+    read_state_dict,
+    save_hf_dir,
+)
+from training.engines.megatron.compat import cpu_device_mode, install_cpu_shims, on_cpu
+from training.engines.megatron.convert import (
+    gpt_model_kwargs,
+    hf_to_megatron,
+    megatron_to_hf,
+    transformer_config,
+)
+from training.engines.model import CausalLM, ModelConfig
+from training.engines.objective import (
+    PolicyObjective,
+    accumulate_gradients,
+    check_train_inputs,
+    log_probs_per_token_version,
+    merge_loss_metrics,
+    response_log_probs,
+    step_metrics,
+)
+from training.engines.train import (
+    ROUTING_MODES,
+    LogProbResult,
+    OptimConfig,
+    SnapshotUnavailableError,
+    TokenBatch,
+    lr_multiplier,
+    micro_batch_slices,
+    sequence_key,
+)
+from training.tasks.tokenizer import CharTokenizer
+
+__all__ = ["MEGATRON_DIR", "TRAINER_STATE_FILE", "MegatronRank", "Parallelism"]
+
+TRAINER_STATE_FILE = "trainer_state.pt"
+MEGATRON_DIR = "megatron"
+RANKS_DIR = "ranks"
+ROUTE_CACHE_FILE = "r2_routes.safetensors"
+STATE_FORMAT = 1
+STATE_KIND = "asyncrl.megatron_trainer"
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the model is split over ranks (world size = TP × PP × DP)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    data_parallel: int = 1
+    distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
+               self.data_parallel) < 1:
+            raise ValueError("every parallel size must be >= 1")
+        if self.pipeline_parallel != 1:
+            raise ValueError(f"engines.megatron.pipeline_parallel={self.pipeline_parallel}: the "
+                             "asyncrl megatron engine does not run pipeline stages yet; set "
+                             "pipeline_parallel: 1 and use tensor_parallel / data_parallel")
+        if self.expert_parallel != 1:
+            raise ValueError(f"engines.megatron.expert_parallel={self.expert_parallel}: the "
+                             "asyncrl megatron engine keeps every expert on each rank for now; "
+                             "set expert_parallel: 1 (tensor_parallel splits the experts)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    def sizes(self) -> dict[str, int]:
+        return {"tensor_parallel": self.tensor_parallel,
+                "pipeline_parallel": self.pipeline_parallel,
+                "expert_parallel": self.expert_parallel, "data_parallel": self.data_parallel}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class MegatronRank:
+    """The model shard, optimizer, snapshots and route cache of one rank (module docstring).
+
+    Lifecycle: ``init_distributed`` (or ``init_in_process``), then ``load_pretrained`` or
+    ``load_checkpoint_fresh``; then the TrainEngine methods.
+    """
+
+    def __init__(self, rank: int, parallel: Parallelism, seed: int = 0) -> None:
+        self.rank = int(rank)
+        self.parallel = parallel
+        self.seed = int(seed)
+        self.cfg: ModelConfig | None = None
+        self.tokenizer: CharTokenizer | None = None
+        self.optim = OptimConfig()
+        self._version = 0
+        self._step = 0
+        self._snapshots = SnapshotStore(0)
+        self._routes = RouteCache(0)
+        self._shadow: Any = None
+        self._shadow_version: int | None = None
+        self._cpu_group: Any = None
+
+    # --- process group ------------------------------------------------------------------------
+    def master_address(self) -> tuple[str, int]:
+        """(host, free port) for the TCP rendezvous; asked of rank 0."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_distributed(self, host: str, port: int) -> int:
+        """Join the world (gloo on CPU, nccl on GPU) and build megatron's parallel groups."""
+        install_cpu_shims()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray exposes this rank's GPU(s) as CUDA_VISIBLE_DEVICES
+        else:
+            torch.set_num_threads(1)
+        backend = "gloo" if on_cpu() else "nccl"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.parallel.world_size)
+        self._init_parallel_state()
+        return self.rank
+
+    def init_in_process(self) -> None:
+        """World size 1 in the calling process (tests, ``launcher='local'``); reuses a process
+        group this process already set up with the same sizes."""
+        install_cpu_shims()
+        from megatron.core import parallel_state
+
+        if self.parallel.world_size != 1:
+            raise ValueError("an in-process megatron engine has world size 1; use "
+                             "launcher='ray' for tensor/data parallelism")
+        if dist.is_initialized():
+            if dist.get_world_size() != 1 or not parallel_state.model_parallel_is_initialized():
+                raise RuntimeError("torch.distributed is already initialised in this process "
+                                   "with another world; run the engine with launcher='ray'")
+            self._cpu_group = dist.new_group(backend="gloo")
+            return
+        store = Path(tempfile.gettempdir()) / f"asyncrl-megatron-{uuid.uuid4().hex}"
+        backend = "gloo" if on_cpu() else "nccl"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(torch.cuda.current_device())
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+        self._init_parallel_state()
+
+    def _init_parallel_state(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        p = self.parallel
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_parallel,
+            pipeline_model_parallel_size=p.pipeline_parallel,
+            expert_model_parallel_size=p.expert_parallel)
+        model_parallel_cuda_manual_seed(self.seed)
+        # object collectives (metrics, routes, checkpoint names) go over gloo on every machine
+        self._cpu_group = dist.new_group(backend="gloo")
+
+    @property
+    def device(self) -> torch.device:
+        if on_cpu():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _coords(self) -> tuple[int, int, int]:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                ps.get_data_parallel_rank())
+
+    def _dp(self) -> tuple[int, int, Any]:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+                ps.get_data_parallel_group_gloo())
+
+    def _agree(self, error: str | None, exc: type[Exception] = CheckpointError) -> None:
+        """Raise ``exc`` on every rank if any rank has an error (first one wins), so no rank
+        enters a collective the others skip."""
+        errors: list[str | None] = [error]
+        if dist.get_world_size() > 1:
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error, group=self._cpu_group)
+        first = next((e for e in errors if e), None)
+        if first:
+            raise exc(first)
+
+    def _barrier(self) -> None:
+        if dist.get_world_size() > 1:
+            dist.barrier(group=self._cpu_group)
+
+    # --- model --------------------------------------------------------------------------------
+    def _build_model(self, cfg: ModelConfig) -> Any:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        p = self.parallel
+        tf = transformer_config(cfg, tp=p.tensor_parallel, pp=p.pipeline_parallel,
+                                ep=p.expert_parallel, on_cpu=on_cpu())
+        # the random init (overwritten right after) must not consume the caller's RNG streams
+        with cpu_device_mode(), torch.random.fork_rng(devices=[]):
+            model = GPTModel(config=tf, **gpt_model_kwargs(cfg, self.parallel.tensor_parallel))
+        # this engine drives each router's RouterReplay itself; drop them from megatron's
+        # process-global list so models built in one process never share replay state
+        mine = {id(r) for r in _router_replays(model)}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
+        return model
+
+    def _setup(self, cfg: ModelConfig, tokenizer: CharTokenizer, optim: OptimConfig,
+               snapshot_budget_bytes: int, route_cache_sequences: int) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {cfg.vocab_size}")
+        self.cfg, self.tokenizer, self.optim = cfg, tokenizer, optim
+        self.module = self._build_model(cfg)
+        dist_opt = self.parallel.distributed_optimizer
+        with cpu_device_mode():
+            self.ddp = DistributedDataParallel(
+                config=self.module.config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                    use_distributed_optimizer=dist_opt),
+                module=self.module)
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
+                    adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+                    clip_grad=optim.grad_clip or 0.0, use_distributed_optimizer=dist_opt,
+                    params_dtype=torch.float32, bf16=False, fp16=False),
+                [self.ddp])
+        self._snapshots = SnapshotStore(snapshot_budget_bytes)
+        self._routes = RouteCache(route_cache_sequences)
+
+    def _local_weights(self) -> Weights:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters()}
+
+    def _copy_into(self, model: Any, weights: Weights, source: str) -> None:
+        params = dict(model.named_parameters())
+        if set(params) != set(weights):
+            missing, extra = sorted(set(params) - set(weights))[:3], sorted(
+                set(weights) - set(params))[:3]
+            raise CheckpointError(f"{source} does not match the megatron model (missing "
+                                  f"{missing}, unexpected {extra}); check config.json")
+        with torch.no_grad():
+            for name, p in params.items():
+                if tuple(p.shape) != tuple(weights[name].shape):
+                    raise CheckpointError(f"{source}: {name} has shape "
+                                          f"{tuple(weights[name].shape)}, the model expects "
+                                          f"{tuple(p.shape)}")
+                p.copy_(weights[name].to(p.device, p.dtype))
+
+    def _load_weights(self, weights: Weights, source: str) -> None:
+        self._copy_into(self.module, weights, source)
+        with cpu_device_mode():
+            self.optimizer.reload_model_params()  # DistributedOptimizer: main params ← model
+
+    def load_pretrained(self, directory: str, optim: OptimConfig, snapshot_budget_bytes: int,
+                        route_cache_sequences: int) -> tuple[int, int]:
+        """Warm start from an HF directory (every rank reads it); returns (version, step)."""
+        err, loaded = None, None
+        try:
+            d = check_hf_dir(directory)
+            cfg = read_model_config(d)
+            hf = read_state_dict(d)
+            meta = read_meta(d)
+            tokenizer = CharTokenizer.load(d)
+            loaded = (cfg, hf, meta, tokenizer)
+        except CheckpointError as e:
+            err = str(e)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            err = f"{directory}: tokenizer is unreadable ({e}); re-export the checkpoint"
+        self._agree(err)
+        assert loaded is not None
+        cfg, hf, meta, tokenizer = loaded
+        self._setup(cfg, tokenizer, optim, snapshot_budget_bytes, route_cache_sequences)
+        tp, ep, _ = self._coords()
+        try:
+            local = hf_to_megatron(hf, cfg, tp=self.parallel.tensor_parallel, tp_rank=tp,
+                                   ep=self.parallel.expert_parallel, ep_rank=ep)
+        except KeyError as e:
+            raise CheckpointError(f"{directory} lacks weight {e} the model needs; check "
+                                  "config.json") from None
+        self._load_weights(local, str(directory))
+        self._version, self._step = int(meta["weight_version"]), 0
+        return self.state()
+
+    def load_checkpoint_fresh(self, directory: str, snapshot_budget_bytes: int,
+                              route_cache_sequences: int) -> tuple[int, int]:
+        """Build the model from a trainer checkpoint's config, then restore it exactly."""
+        err, cfg, tokenizer = None, None, None
+        try:
+            d = _check_trainer_dir(directory)
+            cfg = read_model_config(d)
+            tokenizer = CharTokenizer.load(d)
+            optim = _optim_from_state(_read_trainer_state(d), d)
+        except CheckpointError as e:
+            err = str(e)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            err = f"tokenizer of {directory} is unreadable ({e}); re-save the checkpoint"
+        self._agree(err)
+        assert cfg is not None and tokenizer is not None
+        self._setup(cfg, tokenizer, optim, snapshot_budget_bytes, route_cache_sequences)
+        self.load_checkpoint(directory)
+        return self.state()
+
+    def state(self) -> tuple[int, int]:
+        return self._version, self._step
+
+    def config(self) -> ModelConfig:
+        assert self.cfg is not None
+        return self.cfg
+
+    # --- snapshots ----------------------------------------------------------------------------
+    def snapshot_versions(self) -> list[int]:
+        return self._snapshots.versions()
+
+    def snapshot_info(self) -> dict[str, Any]:
+        return {"versions": self._snapshots.versions(), "bytes": self._snapshots.nbytes,
+                "budget_bytes": self._snapshots.budget_bytes, "current": self._version,
+                "route_cache_sequences": len(self._routes)}
+
+    def drop_snapshots(self, versions: Sequence[int] | None = None) -> None:
+        if versions is None:
+            self._snapshots.clear()
+        else:
+            self._snapshots.drop(versions)
+        if self._shadow_version not in self._snapshots.versions():
+            self._shadow_version = None
+
+    def close(self) -> None:
+        self._snapshots.clear()
+        self._routes.clear()
+        self._shadow = None
+        self._shadow_version = None
+
+    def _model_at(self, version: int) -> Any:
+        if version > self._version:
+            raise ValueError(f"weight version {version} does not exist yet (current "
+                             f"{self._version})")
+        if version == self._version:
+            return self.ddp
+        weights = self._snapshots.get(version)
+        if self._shadow is None:
+            self._shadow = self._build_model(self.config())
+            self._shadow.requires_grad_(False)
+        if self._shadow_version != version:
+            self._copy_into(self._shadow, weights, f"snapshot v{version}")
+            self._shadow_version = version
+        return self._shadow
+
+    # --- forward ------------------------------------------------------------------------------
+    def _forward(self, model: Any, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
+                 temperature: float, with_entropy: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """Response log-probs (b, T), entropy and per-sequence routes of ``batch`` (the input
+        trimmed to its longest sequence, like the embedded engine)."""
+        cfg = self.config()
+        dev = self.device
+        width = max(int(batch.total_lens.max()), 1)
+        b = batch.batch_size
+        ids = batch.input_ids[:, :width].to(dev)
+        attn = batch.attention_mask[:, :width].to(dev)
+        # explicit mask (megatron: True = not attended): causal ∧ real keys; a row with nothing to
+        # attend sees itself (as the embedded model). megatron's default mask lives on 'cuda'.
+        allowed = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None] \
+            & attn[:, None, :]
+        eye = torch.eye(width, dtype=torch.bool, device=dev)[None]
+        allowed = allowed | (eye & ~allowed.any(-1, keepdim=True))
+        positions = torch.arange(width, device=dev)[None].expand(b, width)
+        routers = _router_replays(model)
+        if routers:
+            _arm_routers(routers, None if replay is None
+                         else _pack_routes(batch, replay, width, cfg))
+        try:
+            logits = model(ids, positions, ~allowed[:, None])
+            recorded = [r.recorded_topk_idx for r in routers] if replay is None else None
+        finally:
+            _disarm_routers(routers)
+        logits = logits[..., : cfg.vocab_size]  # drop the vocabulary padding of TP
+        lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
+        per_seq = None
+        if routers:
+            if recorded is not None:
+                # [S·B, k] per layer, sequence-major → (B, S, L, k)
+                routes = torch.stack([r.view(width, b, -1).transpose(0, 1) for r in recorded],
+                                     dim=2)
+                per_seq = tuple(routes[i, : int(batch.total_lens[i]) - 1].to("cpu", torch.int32)
+                                for i in range(b))
+            else:
+                assert replay is not None
+                per_seq = tuple(r.to(torch.int32) for r in replay)
+        return lp, entropy, per_seq
+
+    # --- routing (as the embedded engine) -----------------------------------------------------
+    def _check_rollout_routes(self, batch: TokenBatch) -> list[torch.Tensor]:
+        cfg = self.config()
+        if batch.routes is None or any(r is None for r in batch.routes):
+            raise ValueError("routing='r3' needs batch.routes for every sequence: the rollout "
+                             "engine's routed experts (request return_routed_experts=True)")
+        out = []
+        for i, r in enumerate(batch.routes):
+            assert r is not None
+            want = (int(batch.total_lens[i]) - 1, cfg.num_layers, cfg.num_experts_per_tok)
+            if tuple(r.shape) != want:
+                raise ValueError(f"routes of sequence {i} have shape {tuple(r.shape)}, expected "
+                                 f"(P + O − 1, L, k) = {want}; pass the rollout's routed experts "
+                                 "from position 0 (routed_experts_start_len=0)")
+            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= cfg.num_experts):
+                raise ValueError(f"routes of sequence {i} name experts outside "
+                                 f"[0, {cfg.num_experts})")
+            out.append(r)
+        return out
+
+    def _replay_for(self, batch: TokenBatch, routing: str, version: int,
+                    r2_version: int | None) -> list[torch.Tensor] | None:
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing={routing!r}; use one of {', '.join(ROUTING_MODES)}")
+        if routing == "free":
+            return None
+        if not self.config().is_moe:
+            raise ValueError(f"routing={routing!r} replays MoE expert choices but this model is "
+                             "dense; use routing='free'")
+        if routing == "r3":
+            return self._check_rollout_routes(batch)
+        ref = version if r2_version is None else int(r2_version)
+        if ref == version:
+            return None
+        return self._own_routes(batch, ref)
+
+    def _own_routes(self, batch: TokenBatch, version: int) -> list[torch.Tensor]:
+        """R2 routes of ``batch`` under ``version``: cached, or recorded under its snapshot. Every
+        rank holds the same cache (log-prob passes run the whole batch everywhere; train steps
+        share what they record), so every rank takes the same branch."""
+        keys = [sequence_key(batch, i) for i in range(batch.batch_size)]
+        found: list[torch.Tensor | None] = [self._routes.get(version, k) for k in keys]
+        missing = [i for i, r in enumerate(found) if r is None]
+        if missing:
+            try:
+                model = self._model_at(version)
+            except SnapshotUnavailableError as e:
+                raise SnapshotUnavailableError(
+                    f"R2 needs the routes of version {version} for {len(missing)} sequence(s) "
+                    f"that were never forwarded under it, and {e}") from None
+            sub = batch.select(missing)
+            model.eval()
+            with torch.no_grad():
+                _, _, routes = self._forward(model, sub, None, 1.0, with_entropy=False)
+            assert routes is not None
+            for j, i in enumerate(missing):
+                found[i] = routes[j]
+                self._routes.put(version, keys[i], routes[j])
+        return [r for r in found if r is not None]
+
+    def _remember_routes(self, batch: TokenBatch, version: int,
+                         routes: Sequence[torch.Tensor]) -> None:
+        for i, r in enumerate(routes):
+            self._routes.put(version, sequence_key(batch, i), r)
+
+    # --- log-probs ----------------------------------------------------------------------------
+    def compute_log_probs(self, batch: TokenBatch, *, routing: str = "free",
+                          version: int | torch.Tensor | None = None, temperature: float = 1.0,
+                          with_entropy: bool = True, r2_version: int | None = None,
+                          micro_batch_size: int | None = None) -> LogProbResult:
+        _check_temperature(temperature)
+        if isinstance(version, torch.Tensor):
+            return log_probs_per_token_version(
+                self.compute_log_probs, batch, version, routing=routing, temperature=temperature,
+                with_entropy=with_entropy, r2_version=r2_version,
+                micro_batch_size=micro_batch_size)
+        v = self._version if version is None else int(version)
+        model = self._model_at(v)
+        replay = self._replay_for(batch, routing, v, r2_version)
+        lps, ents, routes = [], [], []
+        model.eval()
+        with torch.no_grad():
+            for s in micro_batch_slices(batch.batch_size, micro_batch_size):
+                mb = batch.select(s)
+                lp, ent, r = self._forward(model, mb, None if replay is None else replay[s],
+                                           temperature, with_entropy)
+                lps.append(lp.cpu())
+                if ent is not None:
+                    ents.append(ent.cpu())
+                if r is not None:
+                    routes.extend(r)
+        if routes and replay is None:
+            self._remember_routes(batch, v, routes)
+        t = batch.response_len
+        return LogProbResult(
+            log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
+            entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
+            routes=tuple(routes) if self.config().is_moe else None,
+            weight_version=v,
+        )
+
+    # --- training -----------------------------------------------------------------------------
+    def train_step(self, batch: TokenBatch, advantages: torch.Tensor,
+                   old_log_prob: torch.Tensor, *, loss_name: str = "vanilla",
+                   loss_config: PolicyLossConfig | None = None,
+                   rollout_is_weights: torch.Tensor | None = None, routing: str = "free",
+                   r2_version: int | None = None, temperature: float = 1.0,
+                   micro_batch_size: int | None = None, entropy_coeff: float = 0.0,
+                   accumulation: str = "scaled") -> dict[str, float]:
+        """One optimizer step (``TrainEngine.train_step``; the same metrics as the embedded
+        engine)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        t0 = time.perf_counter()
+        _check_temperature(temperature)
+        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights, accumulation)
+        dev = self.device
+        objective = PolicyObjective.build(
+            batch, advantages, old_log_prob, loss_name=loss_name, loss_config=loss_config,
+            rollout_is_weights=rollout_is_weights, entropy_coeff=entropy_coeff, device=dev)
+        version = self._version
+        replay = self._replay_for(batch, routing, version, r2_version)
+        record = replay is None and self.config().is_moe
+        recorded: list[tuple[str, torch.Tensor]] = []
+
+        def forward(s: slice, grad: bool):
+            with torch.set_grad_enabled(grad):
+                mb = batch.select(s)
+                lp, ent, routes = self._forward(self.ddp, mb, None if replay is None
+                                                else replay[s], temperature, with_entropy=True)
+            if record and routes is not None:
+                self._remember_routes(mb, version, routes)
+                recorded.extend((sequence_key(mb, i), r) for i, r in enumerate(routes))
+            return lp, ent
+
+        dp, dp_rank, dp_group = self._dp()
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = accumulate_gradients(
+            batch, objective, forward, micro_batch_size=micro_batch_size,
+            accumulation=accumulation, device=dev,
+            owned=None if dp == 1 else (lambda i: i % dp == dp_rank))
+        loss, pg_loss, parts, entropies = acc.loss, acc.pg_loss, acc.parts, acc.entropies
+        assert entropies is not None
+        if dp > 1:
+            shared: list[Any] = [None] * dp
+            dist.all_gather_object(shared, (loss, pg_loss, parts, entropies.cpu(), recorded),
+                                   group=dp_group)
+            if accumulation == "scaled":
+                loss = sum(x[0] for x in shared)
+                pg_loss = sum(x[1] for x in shared)
+                parts = [p for x in shared for p in x[2]]
+                entropies = sum(x[3] for x in shared).to(dev)
+            else:  # every rank evaluated the full-batch loss; any rank that ran one reports it
+                first = next((x for x in shared if x[2]), shared[0])
+                loss, pg_loss, parts = first[0], first[1], first[2]
+            for x in shared:
+                for key, r in x[4]:
+                    self._routes.put(version, key, r)
+        metrics = merge_loss_metrics(parts)
+        with cpu_device_mode():
+            finalize_model_grads([self.ddp])  # data-parallel all-reduce (a sum, see above)
+            self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            if self.optim.grad_clip is not None:
+                _clip_by_total_norm(self.optimizer, self.optim.grad_clip, grad_norm)
+            lr = self.optim.lr * lr_multiplier(self.optim, self._step)
+            skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
+            if not skipped:
+                if self._snapshots.budget_bytes > 0:
+                    self._snapshots.put(version, self._local_weights())
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                    group["weight_decay"] = self.optim.weight_decay * group.get("wd_mult", 1.0)
+                self.optimizer.step_with_ready_grads()
+                self._step += 1
+                self._version += 1
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(step_metrics(
+            batch, loss=loss, pg_loss=pg_loss, entropies=entropies, mask=objective.mask,
+            grad_norm=grad_norm, lr=lr, skipped=skipped, weight_version=self._version,
+            step=self._step, micro_batches=acc.micro_batches,
+            elapsed=time.perf_counter() - t0))
+        return metrics
+
+    # --- weights out --------------------------------------------------------------------------
+    def _gather_hf(self, weights: Weights) -> Weights | None:
+        """Full HF weights from every rank's local ``weights`` (collective); rank 0 gets them,
+        the others None."""
+        tp, ep, dp_rank = self._coords()
+        mine = (tp, ep, dp_rank, weights)
+        if dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
+            dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0,
+                               group=self._cpu_group)
+        else:
+            gathered = [mine]
+        if self.rank != 0:
+            return None
+        shards = {(t, e): w for t, e, d, w in gathered if d == 0}
+        return megatron_to_hf(shards, self.config(), tp=self.parallel.tensor_parallel,
+                              ep=self.parallel.expert_parallel)
+
+    def _weights_of(self, version: int | None) -> tuple[int, Weights]:
+        v = self._version if version is None else int(version)
+        if v > self._version:
+            raise ValueError(f"weight version {v} does not exist yet (current {self._version})")
+        return v, (self._local_weights() if v == self._version else self._snapshots.get(v))
+
+    def hf_state_dict(self, version: int | None = None) -> Weights | None:
+        """HF-named full (TP-merged) fp32 CPU weights of the current (or a retained) version on
+        rank 0; None on the other ranks. Collective."""
+        _, weights = self._weights_of(version)
+        return self._gather_hf(weights)
+
+    def export_weights(self, directory: str, version: int | None = None,
+                       meta: dict[str, Any] | None = None) -> int:
+        """Rank 0 writes the HF directory (hf_io format, ``weight_version`` in asyncrl.json)."""
+        v, weights = self._weights_of(version)
+        hf = self._gather_hf(weights)
+        if self.rank == 0:
+            assert hf is not None and self.tokenizer is not None
+            info = {"source": "asyncrl.megatron_trainer", "trainer_step": self._step,
+                    **(meta or {})}
+            save_hf_dir(directory, _config_only(self.config()), self.tokenizer,
+                        weight_version=v, meta=info, state_dict=hf)
+        self._barrier()
+        return v
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def _has_optimizer_state(self) -> bool:
+        """False before the first optimizer step (Adam has no moments yet; nothing to save)."""
+        return any(len(inner.optimizer.state) for inner in _inner_optimizers(self.optimizer))
+
+    def _sharded_state(self, loading: bool, with_optimizer: bool) -> dict[str, Any]:
+        model_sd = self.module.sharded_state_dict()
+        if not with_optimizer:
+            return {"model": model_sd}
+        # DistributedOptimizer: megatron 0.16.1's default format ("fully_sharded_model_space")
+        # needs ShardedTensor.flattened_range, which its own dist_checkpointing no longer accepts
+        meta = {"distrib_optim_sharding_type": "dp_reshardable"}
+        return {"model": model_sd,
+                "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                                               metadata=meta)}
+
+    def save_checkpoint(self, directory: str, include_snapshots: bool = True) -> str:
+        """Exact-resume checkpoint (module docstring), written under a temporary name and renamed
+        into place by rank 0. Collective; every rank must see the same filesystem."""
+        from megatron.core import dist_checkpointing
+
+        target = Path(directory)
+        name = [f".{target.name}.ckpt-{uuid.uuid4().hex[:8]}"]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(name, src=0, group=self._cpu_group)
+        tmp = target.parent / name[0]
+        try:
+            hf = self._gather_hf(self._local_weights())
+            if self.rank == 0:
+                assert hf is not None and self.tokenizer is not None
+                target.parent.mkdir(parents=True, exist_ok=True)
+                save_hf_dir(tmp, _config_only(self.config()), self.tokenizer,
+                            weight_version=self._version, state_dict=hf,
+                            meta={"source": "asyncrl.megatron_trainer",
+                                  "kind": "trainer_checkpoint", "trainer_step": self._step})
+                (tmp / MEGATRON_DIR).mkdir()
+                (tmp / RANKS_DIR).mkdir()
+            self._barrier()
+            with_optimizer = self._has_optimizer_state()
+            with cpu_device_mode():
+                dist_checkpointing.save(self._sharded_state(False, with_optimizer),
+                                        str(tmp / MEGATRON_DIR))
+            snaps = self._snapshots.items() if include_snapshots else []
+            rank_dir = tmp / RANKS_DIR / f"rank{self.rank}"
+            rank_dir.mkdir()
+            for v, weights in snaps:
+                save_file(weights, str(rank_dir / f"v{v}.safetensors"))
+            torch.save({"rng": _rng_state(), "tracker": _tracker_states(),
+                        "coords": list(self._coords())}, rank_dir / "rng.pt")
+            if self.rank == 0:
+                if len(self._routes):
+                    save_file({f"{i:09d}:{v}:{k}": r.contiguous()
+                               for i, ((v, k), r) in enumerate(self._routes.items())},
+                              str(tmp / ROUTE_CACHE_FILE))
+                torch.save({
+                    "format": STATE_FORMAT, "kind": STATE_KIND, "step": self._step,
+                    "weight_version": self._version,
+                    "optim_config": {**asdict(self.optim), "betas": list(self.optim.betas)},
+                    "parallel": self.parallel.sizes(),
+                    "distributed_optimizer": self.parallel.distributed_optimizer,
+                    "world_size": self.parallel.world_size,
+                    "snapshot_versions": [v for v, _ in snaps],
+                    "optimizer_state": with_optimizer,
+                }, tmp / TRAINER_STATE_FILE)
+            self._barrier()
+            if self.rank == 0:
+                move_into_place(tmp, target)
+            self._barrier()
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return str(target)
+
+    def load_checkpoint(self, directory: str) -> tuple[int, int]:
+        """Restore a :meth:`save_checkpoint` directory exactly. Everything is validated and the
+        sharded tensors are loaded into copies first; any problem → :class:`CheckpointError` on
+        every rank with the live engine unchanged."""
+        from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        err, staged = None, None
+        try:
+            staged = self._stage_checkpoint(Path(directory))
+        except CheckpointError as e:
+            err = str(e)
+        self._agree(err)
+        assert staged is not None
+        state, snapshots, routes, rank_state, optim = staged
+        with_optimizer = bool(state["optimizer_state"])
+        was_empty = [not inner.optimizer.state for inner in _inner_optimizers(self.optimizer)]
+        if with_optimizer:
+            _init_empty_adam_state(self.optimizer)
+        sharded = self._sharded_state(True, with_optimizer)
+        _replace_sharded_data_with_copies(sharded)
+        err, loaded = None, None
+        try:
+            with cpu_device_mode():
+                loaded = dist_checkpointing.load(sharded, str(Path(directory) / MEGATRON_DIR))
+        # many types for bad / partial directories; torch's CheckpointException is a
+        # BaseException, not an Exception
+        except (Exception, CheckpointException) as e:
+            err = (f"{Path(directory) / MEGATRON_DIR} is unreadable ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0] if str(e) else ''}); the checkpoint is corrupt or "
+                   "incomplete — resume from an earlier one")
+        if err:  # an optimizer that had no state gets none back
+            for inner, empty in zip(_inner_optimizers(self.optimizer), was_empty, strict=True):
+                if empty:
+                    inner.optimizer.state.clear()
+        self._agree(err)
+        assert loaded is not None
+        # commit
+        with cpu_device_mode(), torch.no_grad():
+            self.module.load_state_dict(loaded["model"], strict=True)
+            if with_optimizer:
+                self.optimizer.load_state_dict(loaded["optimizer"])
+                _adam_steps_from_param_groups(self.optimizer)
+            else:
+                for inner in _inner_optimizers(self.optimizer):
+                    inner.optimizer.state.clear()
+            self.optimizer.reload_model_params()
+        self.optim = optim
+        self._step, self._version = int(state["step"]), int(state["weight_version"])
+        self._snapshots.clear()
+        for v, w in snapshots:
+            self._snapshots.put(v, w)
+        self._routes.clear()
+        for (v, k), r in routes:
+            self._routes.put(v, k, r)
+        self._shadow_version = None
+        _set_rng_state(rank_state["rng"])
+        _set_tracker_states(rank_state["tracker"])
+        return self.state()
+
+    def _stage_checkpoint(self, d: Path) -> tuple[Any, ...]:
+        """Read and validate everything this rank needs from ``d`` (no engine change)."""
+        d = _check_trainer_dir(d)
+        state = _read_trainer_state(d)
+        cfg = read_model_config(d)
+        if cfg != self.config():
+            raise CheckpointError(f"checkpoint {d} holds a different architecture ({cfg}) than "
+                                  f"this engine ({self.config()}); build the engine with "
+                                  "MegatronTrainEngine.from_checkpoint")
+        if state["parallel"] != self.parallel.sizes() or bool(
+                state["distributed_optimizer"]) != self.parallel.distributed_optimizer:
+            raise CheckpointError(f"checkpoint {d} was written with {state['parallel']} "
+                                  f"(distributed_optimizer={state['distributed_optimizer']}), "
+                                  f"this engine runs {self.parallel.sizes()} "
+                                  f"(distributed_optimizer={self.parallel.distributed_optimizer})"
+                                  "; resume with the same engines.megatron sizes")
+        optim = _optim_from_state(state, d)
+        rank_dir = d / RANKS_DIR / f"rank{self.rank}"
+        try:
+            rank_state = torch.load(rank_dir / "rng.pt", map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for missing / truncated files
+            raise CheckpointError(f"{rank_dir / 'rng.pt'} is missing or unreadable "
+                                  f"({type(e).__name__}); the checkpoint is incomplete — resume "
+                                  "from an earlier one") from None
+        if list(rank_state.get("coords", [])) != list(self._coords()):
+            raise CheckpointError(f"{rank_dir} belongs to another rank layout; resume with the "
+                                  "same engines.megatron sizes")
+        snapshots = [(int(v), _read_weights(rank_dir / f"v{int(v)}.safetensors"))
+                     for v in state["snapshot_versions"]]
+        routes = _read_routes(d / ROUTE_CACHE_FILE)
+        if not (d / MEGATRON_DIR / "metadata.json").is_file():
+            raise CheckpointError(f"{d / MEGATRON_DIR} holds no dist_checkpointing metadata; the "
+                                  "checkpoint is incomplete — resume from an earlier one")
+        return state, snapshots, routes, rank_state, optim
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _router_replays(model: Any) -> list[Any]:
+    """The RouterReplay of every MoE layer of ``model`` (DDP-wrapped or not), in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m.router_replay for m in model.modules()
+            if isinstance(m, TopKRouter) and m.router_replay is not None]
+
+
+def _pack_routes(batch: TokenBatch, routes: Sequence[torch.Tensor], width: int,
+                 cfg: ModelConfig) -> list[torch.Tensor]:
+    """SGLang-layout routes → per layer ``[width·b, k]`` long indices in megatron's token order
+    (sequence-major: token s of row b is s·b_total + b). Positions without a route (the last
+    token, padding) get experts 0..k−1: they cannot change any log-prob (causal attention)."""
+    k, b = cfg.num_experts_per_tok, batch.batch_size
+    out = torch.arange(k).expand(b, width, cfg.num_layers, k).clone()
+    for i, r in enumerate(routes):
+        n = int(batch.total_lens[i]) - 1
+        out[i, :n] = r[:n].to(torch.long)
+    return [out[:, :, layer].transpose(0, 1).reshape(width * b, k).contiguous()
+            for layer in range(cfg.num_layers)]
+
+
+def _arm_routers(routers: list[Any], targets: list[torch.Tensor] | None) -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for i, r in enumerate(routers):
+        r.clear_indices()
+        if targets is None:
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+        else:
+            r.set_target_indices(targets[i])
+            r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _disarm_routers(routers: list[Any]) -> None:
+    for r in routers:
+        r.clear_router_replay_action()
+        r.clear_indices()
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The FP32 / Distributed optimizers inside a megatron optimizer (MoE models get a chain:
+    one for dense and one for expert parameters)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _init_empty_adam_state(optimizer: Any) -> None:
+    """Give every parameter of an optimizer without state zero Adam moments and step 0, the
+    structure a checkpoint load fills in (the DistributedOptimizer's state_dict asserts one
+    common step, which an empty state does not have)."""
+    for inner in _inner_optimizers(optimizer):
+        opt = inner.optimizer
+        if opt.state:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                opt.state[p] = {"step": torch.tensor(0.0),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(
+                                    p, memory_format=torch.preserve_format)}
+
+
+def _adam_steps_from_param_groups(optimizer: Any) -> None:
+    """The DistributedOptimizer restores Adam's step count into ``param_group['step']`` (what
+    apex / TransformerEngine's fused Adam reads); torch's AdamW — megatron's optimizer where
+    neither is installed, e.g. on CPUs — reads ``state[p]['step']``. Copy it there, or the
+    resumed bias correction restarts from step 0."""
+    for inner in _inner_optimizers(optimizer):
+        opt = inner.optimizer
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in opt.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if p in opt.state and "step" in opt.state[p]:
+                    opt.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def _clip_by_total_norm(optimizer: Any, max_norm: float, total_norm: float) -> None:
+    """Scale every gradient by min(1, max_norm / (total_norm + 1e-6)) — megatron's clipping with
+    the global norm over all (chained) optimizers, as ChainedOptimizer.step does."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for inner in _inner_optimizers(optimizer):
+        params = inner.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=total_norm)
+
+
+def _replace_sharded_data_with_copies(sharded: dict[str, Any]) -> None:
+    """Point every ShardedTensor of ``sharded`` at a fresh tensor, so dist_checkpointing.load
+    (which fills the given tensors in place) never writes into the live model or optimizer."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def fresh(x: Any) -> Any:
+        if isinstance(x, ShardedTensor) and x.data is not None:
+            x.data = torch.empty_like(x.data)
+        return x
+
+    dict_list_map_inplace(fresh, sharded)
+
+
+def _config_only(cfg: ModelConfig) -> CausalLM:
+    """A weightless model carrying ``cfg`` for :func:`save_hf_dir` (weights come separately)."""
+    with torch.device("meta"):
+        return CausalLM(cfg)
+
+
+def _tracker_states() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+
+
+def _set_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().set_states(dict(states))
+
+
+def _check_trainer_dir(directory: str | Path) -> Path:
+    d = check_hf_dir(directory)
+    if not (d / TRAINER_STATE_FILE).is_file():
+        raise CheckpointError(f"{d} is a model directory but not a megatron trainer checkpoint "
+                              f"(no {TRAINER_STATE_FILE}); to warm start from its weights use "
+                              "MegatronTrainEngine.from_pretrained")
+    return d
+
+
+_STATE_KEYS = ("format", "kind", "step", "weight_version", "optim_config", "parallel",
+               "distributed_optimizer", "snapshot_versions", "optimizer_state")
+
+
+def _read_trainer_state(d: Path) -> dict[str, Any]:
+    path = d / TRAINER_STATE_FILE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated / garbage files
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}); the checkpoint is "
+                              "corrupt or truncated — resume from an earlier one") from None
+    if not isinstance(state, dict) or any(k not in state for k in _STATE_KEYS) \
+            or state.get("kind") != STATE_KIND:
+        raise CheckpointError(f"{path} is not a megatron trainer state (written by another "
+                              "engine?); resume it with the engine that wrote it")
+    if state["format"] != STATE_FORMAT:
+        raise CheckpointError(f"{path} has format {state['format']}, this asyncrl reads "
+                              f"{STATE_FORMAT}")
+    return state
+
+
+def _optim_from_state(state: dict[str, Any], d: Path) -> OptimConfig:
+    try:
+        return OptimConfig(**{**state["optim_config"],
+                              "betas": tuple(state["optim_config"]["betas"])})
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{d / TRAINER_STATE_FILE}: bad optimizer config ({e}); the "
+                              "checkpoint is corrupt — resume from an earlier one") from None
