@@ -160,5 +160,33 @@ class TrainerWorker:
     def save(self, directory: str) -> str:
         return str(self.engine.save_checkpoint(directory))
 
+    # --- engines.sglang.weight_sync: nccl ----------------------------------------------------
+    def init_weight_sync_nccl(self, urls: list[str], tp_size: int, group_name: str,
+                              master_address: str | None = None,
+                              backend: str = "nccl") -> dict[str, Any]:
+        """(Re)make the broadcast weight group with the SGLang engines at ``urls``. The Megatron
+        engine does it on its rank 0 (its own GPU, where the gathered weights are); an engine
+        without ``init_weight_sync`` (the embedded one; gloo tests) does it in this actor."""
+        if hasattr(self.engine, "init_weight_sync"):
+            return dict(self.engine.init_weight_sync(list(urls), tp_size, group_name,
+                                                     master_address, backend=backend))
+        from training.engines.sglang.nccl_sync import TrainerNcclPusher
+
+        if getattr(self, "_nccl", None) is None:
+            self._nccl = TrainerNcclPusher()
+        return self._nccl.init(urls, tp_size, group_name, master_address, backend=backend)
+
+    def push_weights_nccl(self, version: int) -> dict[str, Any]:
+        """Broadcast the current weights as ``version``; the PushReport as a dict."""
+        if hasattr(self.engine, "push_weights"):
+            return dict(self.engine.push_weights(int(version)))
+        import dataclasses
+
+        from training.engines.sglang.nccl_sync import NcclSyncError
+
+        if getattr(self, "_nccl", None) is None:
+            raise NcclSyncError("no weight group: call init_weight_sync_nccl first")
+        return dataclasses.asdict(self._nccl.push(self.engine, version))
+
     def ping(self) -> bool:
         return True

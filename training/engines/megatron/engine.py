@@ -294,6 +294,30 @@ class MegatronTrainEngine:
         assert weights is not None
         return weights
 
+    def init_weight_sync(self, urls: Sequence[str], tp_size: int | Sequence[int],
+                         group_name: str, master_address: str | None = None,
+                         master_port: int | None = None, backend: str = "nccl"
+                         ) -> dict[str, Any]:
+        """(Re)make the broadcast weight group (``engines.sglang.weight_sync: nccl``) with the
+        SGLang engines at ``urls``: rank 0 joins it as the group's rank 0 from its own device
+        (its GPU for nccl; cpu for gloo), hosting the rendezvous at ``master_address``
+        (default: its node's address) and ``master_port`` (default: a free port). Returns the
+        group's description (:meth:`~training.engines.sglang.nccl_sync.TrainerNcclPusher.init`).
+        """
+        info = self._ranks.call("init_weight_sync", list(urls),
+                                tp_size if isinstance(tp_size, int) else list(tp_size),
+                                group_name, master_address, master_port, backend)
+        assert info is not None
+        return dict(info)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        """Broadcast the current weights to the engines as ``version``: every rank takes part in
+        the HF gather, rank 0 broadcasts. Returns the
+        :class:`~training.engines.sglang.nccl_sync.PushReport` as a dict."""
+        report = self._ranks.call("push_weights", int(version))
+        assert report is not None
+        return dict(report)
+
     def export_weights(self, directory: str | Path, *, version: int | None = None,
                        meta: dict[str, Any] | None = None) -> int:
         """HF directory of the current (or a retained) version, as the embedded engine writes

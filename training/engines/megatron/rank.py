@@ -171,6 +171,7 @@ class MegatronRank:
         self._shadow: Any = None
         self._shadow_version: int | None = None
         self._cpu_group: Any = None
+        self._pusher: Any = None  # rank 0: TrainerNcclPusher of weight_sync nccl
 
     # --- process group ------------------------------------------------------------------------
     def master_address(self) -> tuple[str, int]:
@@ -406,6 +407,9 @@ class MegatronRank:
             self._shadow_version = None
 
     def close(self) -> None:
+        if self._pusher is not None:
+            pusher, self._pusher = self._pusher, None
+            pusher.close()
         self._snapshots.clear()
         self._routes.clear()
         self._shadow = None
@@ -699,6 +703,44 @@ class MegatronRank:
                         weight_version=v, meta=info, state_dict=hf)
         self._barrier()
         return v
+
+    # --- weight sync by broadcast (engines.sglang.weight_sync: nccl) ---------------------------
+    def init_weight_sync(self, urls: Sequence[str], tp_size: int | Sequence[int],
+                         group_name: str, master_address: str | None = None,
+                         master_port: int | None = None,
+                         backend: str = "nccl") -> dict[str, Any] | None:
+        """Rank 0 (re)makes the weight group with the rollout engines as its rank 0, from its
+        own device (its cuda device for nccl, cpu for gloo); the other ranks do nothing and
+        return None. Not a collective."""
+        if self.rank != 0:
+            return None
+        from training.engines.sglang.nccl_sync import TrainerNcclPusher
+
+        device: str | None = "cpu"
+        if backend == "nccl":
+            # this rank's own GPU; None lets the pusher refuse clearly when it sees no GPU
+            device = None if on_cpu() else str(self.device)
+        if self._pusher is None:
+            self._pusher = TrainerNcclPusher()
+        return self._pusher.init(list(urls), tp_size if isinstance(tp_size, int)
+                                 else list(tp_size), group_name, master_address, master_port,
+                                 backend=backend, device=device)
+
+    def push_weights(self, version: int) -> dict[str, Any] | None:
+        """Every rank takes part in the HF gather; rank 0 broadcasts the full weights to the
+        engines as ``version`` and returns the :class:`PushReport` as a dict (None elsewhere).
+        Collective."""
+        from training.engines.sglang.nccl_sync import NcclSyncError
+
+        missing = (self.rank == 0 and (self._pusher is None or self._pusher.sync is None))
+        # agree first, so no rank waits in the gather for a rank 0 that will not push
+        self._agree("no weight group: call init_weight_sync first" if missing else None,
+                    NcclSyncError)
+        hf = self.hf_state_dict()
+        if self.rank != 0:
+            return None
+        assert hf is not None and self._pusher is not None and self._pusher.sync is not None
+        return asdict(self._pusher.sync.push(hf, int(version)))
 
     # --- checkpoints --------------------------------------------------------------------------
     def _has_optimizer_state(self) -> bool:

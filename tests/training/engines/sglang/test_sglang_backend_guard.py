@@ -85,17 +85,11 @@ def test_nccl_sync_needs_the_trainer_actors_broadcast_methods(installed, monkeyp
     class WithoutPush:  # a trainer actor without the two methods
         pass
 
-    class WithPush(actors.TrainerWorker):
-        def init_weight_sync_nccl(self, *args):
-            pass
-
-        def push_weights_nccl(self, version):
-            pass
-
+    real = actors.TrainerWorker  # has them (they run on Megatron rank 0)
     monkeypatch.setattr(actors, "TrainerWorker", WithoutPush)
     with pytest.raises(RunError, match=r"push_weights_nccl.*use weight_sync: disk"):
         check_rollout_backend(recipe)
-    monkeypatch.setattr(actors, "TrainerWorker", WithPush)
+    monkeypatch.setattr(actors, "TrainerWorker", real)
     check_rollout_backend(recipe)
 
 

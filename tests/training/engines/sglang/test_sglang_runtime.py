@@ -145,42 +145,16 @@ def test_a_run_behind_the_real_sglang_router_syncs_each_engine_directly(
 
 
 @pytest.mark.slow
-def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand_in,
-                                                        monkeypatch, tmp_path):
+def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand_in, tmp_path):
     """``weight_sync: nccl`` end to end on CPU (gloo): Megatron trainer, stand-in engines that
     join the weight group themselves; the trainer actor broadcasts every sync (no export on
     disk), and after an engine restart the group is made again under a new name."""
     pytest.importorskip("megatron.core")
-    from training.runtime import actors
+    from training.runtime.actors import TrainerWorker
 
-    def trainer_with_broadcast():
-        # what TrainerWorker needs for weight_sync: nccl (the two methods, as in the docs)
-        class NcclTrainerWorker(actors.TrainerWorker):
-            def init_weight_sync_nccl(self, urls, tp_size, group_name, master_address=None,
-                                      backend="nccl"):
-                from training.engines.sglang.nccl_sync import TrainerNcclPusher
-
-                if getattr(self, "_nccl", None) is None:
-                    self._nccl = TrainerNcclPusher()
-                self._groups = [*getattr(self, "_groups", []), group_name]
-                return self._nccl.init(urls, tp_size, group_name, master_address,
-                                       backend=backend)
-
-            def push_weights_nccl(self, version):
-                import dataclasses
-
-                from training.engines.sglang.nccl_sync import NcclSyncError
-
-                if getattr(self, "_nccl", None) is None:
-                    raise NcclSyncError("init_weight_sync_nccl first")
-                return dataclasses.asdict(self._nccl.push(self.engine, version))
-
-            def nccl_groups(self):
-                return list(getattr(self, "_groups", []))
-
-        return NcclTrainerWorker
-
-    monkeypatch.setattr(actors, "TrainerWorker", trainer_with_broadcast())
+    # the real trainer actor has the broadcast methods (they run on Megatron rank 0)
+    assert hasattr(TrainerWorker, "init_weight_sync_nccl")
+    assert hasattr(TrainerWorker, "push_weights_nccl")
     recipe = recipe_from_dict({
         "name": "sglang-nccl", "steps": 4,
         "model": {"kind": "warmstart", "warmstart_steps": 60, "hidden_size": 32,
@@ -204,8 +178,6 @@ def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand
                       "metrics": metrics}
         if step == 2:  # the engine crashes after the sync that followed step 2
             os.kill(st["pid"], signal.SIGKILL)
-        if step == 4:
-            seen["groups"] = ray_session.get(rt.trainer.nccl_groups.remote())
 
     rt.progress = on_step
     res = rt.run()
@@ -221,6 +193,8 @@ def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand
     assert not (tmp_path / "run" / "weights").exists()
     # the restarted engine joined a new group: one per launch
     assert seen[4]["launches"] == 2 and seen[4]["restarts"] == 1
-    assert seen["groups"] == ["asyncrl-weights-1", "asyncrl-weights-2"]
+    groups = [seen[step]["served"]["model_path"] for step in (1, 2, 4)]
+    assert groups == ["(broadcast over asyncrl-weights-1)"] * 2 + \
+        ["(broadcast over asyncrl-weights-2)"]
     assert rows[-1]["async/trained_samples"] == 4 * 16
     assert rt.fleet is None
