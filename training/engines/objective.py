@@ -6,6 +6,8 @@ Megatron engines compute *the same* loss, gradient accumulation and metrics from
 
 * :func:`response_log_probs` — per-token log-probs and entropy of the response tokens from a
   forward's logits (the sampled token under ``softmax(logits / temperature)``, fp32);
+* :func:`micro_batch_log_probs` — the micro-batch loop of ``compute_log_probs`` (log-probs,
+  entropy and routes of every row, gathered into one :class:`LogProbResult`);
 * :func:`check_train_inputs` and :class:`PolicyObjective` — the policy loss of
   :mod:`training.algorithms.policy_loss` (with IS weights and the optional entropy bonus) on the
   rows of one micro-batch;
@@ -19,7 +21,7 @@ Megatron engines compute *the same* loss, gradient accumulation and metrics from
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +43,16 @@ __all__ = [
     "check_train_inputs",
     "log_probs_per_token_version",
     "merge_loss_metrics",
+    "micro_batch_log_probs",
     "response_log_probs",
     "step_metrics",
 ]
 
 # forward(rows, grad) -> (log_probs (b, T), entropy (b, T)) of batch.select(rows)
 ForwardFn = Callable[[slice, bool], tuple[torch.Tensor, torch.Tensor]]
+# forward(rows) -> (log_probs (b, T), entropy (b, T) or None, per-sequence routes or None)
+LogProbForwardFn = Callable[
+    [slice], tuple[torch.Tensor, torch.Tensor | None, Sequence[torch.Tensor] | None]]
 
 
 def response_log_probs(logits: torch.Tensor, batch: TokenBatch, temperature: float,
@@ -112,6 +118,40 @@ def log_probs_per_token_version(compute: Callable[..., LogProbResult], batch: To
             ent[rows] = torch.where(sel, res.entropy, ent[rows])
     return LogProbResult(log_probs=lp, entropy=ent, routes=None, weight_version=None,
                          token_versions=versions)
+
+
+def micro_batch_log_probs(forward: LogProbForwardFn, batch: TokenBatch, *,
+                          micro_batch_size: int | None, with_entropy: bool, is_moe: bool,
+                          weight_version: int | None) -> LogProbResult:
+    """Run ``forward`` over the micro-batches of ``batch`` and gather one result.
+
+    Args:
+        forward: ``forward(rows)`` → log-probs (b, T), entropy (b, T) or None, and the
+            per-sequence routes (or None) of ``batch.select(rows)``; the caller sets the grad
+            mode and the model's train / eval mode.
+        batch: B sequences.
+        micro_batch_size: rows per forward (None = all).
+        with_entropy: whether the result carries entropy.
+        is_moe: whether the result carries routes (a tuple, possibly empty) or None.
+        weight_version: the result's ``weight_version``.
+    Returns:
+        :class:`LogProbResult` with CPU (B, T) log-probs (and entropy).
+    """
+    lps, ents, routes = [], [], []
+    for s in micro_batch_slices(batch.batch_size, micro_batch_size):
+        lp, ent, r = forward(s)
+        lps.append(lp.cpu())
+        if ent is not None:
+            ents.append(ent.cpu())
+        if r is not None:
+            routes.extend(r)
+    t = batch.response_len
+    return LogProbResult(
+        log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
+        entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
+        routes=tuple(routes) if is_moe else None,
+        weight_version=weight_version,
+    )
 
 
 def check_train_inputs(batch: TokenBatch, advantages: torch.Tensor, old_log_prob: torch.Tensor,

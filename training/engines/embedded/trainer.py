@@ -66,18 +66,17 @@ from training.engines.objective import (
     check_train_inputs,
     log_probs_per_token_version,
     merge_loss_metrics,
+    micro_batch_log_probs,
     response_log_probs,
     step_metrics,
 )
+from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
-    ROUTING_MODES,
     LogProbResult,
     OptimConfig,
     SnapshotUnavailableError,
     TokenBatch,
     lr_multiplier,
-    micro_batch_slices,
-    sequence_key,
 )
 from training.tasks.tokenizer import CharTokenizer
 
@@ -85,6 +84,7 @@ __all__ = [
     "DEFAULT_SNAPSHOT_BUDGET_BYTES",
     "TRAINER_STATE_FILE",
     "EmbeddedTrainEngine",
+    "RetainedState",
     "RouteCache",
     "SnapshotStore",
 ]
@@ -100,7 +100,7 @@ Weights = dict[str, torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------
-# Snapshots and route cache
+# Snapshots
 # ------------------------------------------------------------------------------------------------
 
 
@@ -161,31 +161,61 @@ class SnapshotStore:
     def clear(self) -> None:
         self._snaps.clear()
 
+    def replace(self, items: Sequence[tuple[int, Weights]]) -> None:
+        """Clear the store, then :meth:`put` ``items`` (version, weights) in order."""
+        self.clear()
+        for v, w in items:
+            self.put(v, w)
 
-class RouteCache:
-    """The trainer's own MoE routes per (version, sequence key), FIFO-bounded (for R2)."""
 
-    def __init__(self, max_sequences: int) -> None:
-        self.max_sequences = int(max_sequences)
-        self._d: OrderedDict[tuple[int, str], torch.Tensor] = OrderedDict()
+class RetainedState:
+    """Snapshot and route-cache bookkeeping shared by :class:`EmbeddedTrainEngine` and the
+    Megatron rank (:class:`training.engines.megatron.rank.MegatronRank`).
 
-    def get(self, version: int, key: str) -> torch.Tensor | None:
-        return self._d.get((version, key))
+    The engine provides ``_snapshots`` (a :class:`SnapshotStore`), ``_routes`` (a
+    :class:`~training.engines.routes.RouteCache`), ``_version`` (the current weight version),
+    ``_shadow`` (the model that runs other weights, or None) and ``_shadow_version`` (the
+    version loaded into it, or None).
+    """
 
-    def put(self, version: int, key: str, routes: torch.Tensor) -> None:
-        self._d.pop((version, key), None)
-        self._d[(version, key)] = routes
-        while len(self._d) > self.max_sequences:
-            self._d.popitem(last=False)
+    _snapshots: SnapshotStore
+    _routes: RouteCache
+    _version: int
+    _shadow: Any
+    _shadow_version: int | None
 
-    def items(self) -> list[tuple[tuple[int, str], torch.Tensor]]:
-        return list(self._d.items())
+    def snapshot_versions(self) -> list[int]:
+        return self._snapshots.versions()
 
-    def __len__(self) -> int:
-        return len(self._d)
+    def snapshot_info(self) -> dict[str, Any]:
+        """Retained versions, their bytes and the budget."""
+        return {"versions": self._snapshots.versions(), "bytes": self._snapshots.nbytes,
+                "budget_bytes": self._snapshots.budget_bytes, "current": self._version,
+                "route_cache_sequences": len(self._routes)}
 
-    def clear(self) -> None:
-        self._d.clear()
+    def drop_snapshots(self, versions: Sequence[int] | None = None) -> None:
+        """Forget retained versions (all when None)."""
+        if versions is None:
+            self._snapshots.clear()
+        else:
+            self._snapshots.drop(versions)
+        if self._shadow_version not in self._snapshots.versions():
+            self._shadow_version = None
+
+    def close(self) -> None:
+        """Release the retained snapshots, the route cache and the shadow model."""
+        self._snapshots.clear()
+        self._routes.clear()
+        self._shadow = None
+        self._shadow_version = None
+
+    def _restore_retained(self, snapshots: Sequence[tuple[int, Weights]],
+                          routes: Sequence[tuple[tuple[int, str], torch.Tensor]]) -> None:
+        """Replace the snapshots and the route cache by a checkpoint's (the shadow model no
+        longer holds a known version)."""
+        self._snapshots.replace(snapshots)
+        self._routes.replace(routes)
+        self._shadow_version = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +253,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class EmbeddedTrainEngine:
+class EmbeddedTrainEngine(RetainedState, RouteReplay):
     """fp32 torch trainer of the embedded model (see the module docstring).
 
     Build with :meth:`from_pretrained` (warm start from an HF directory), :meth:`from_checkpoint`
@@ -311,29 +341,7 @@ class EmbeddedTrainEngine:
     def config(self) -> ModelConfig:
         return self.model.config
 
-    def snapshot_versions(self) -> list[int]:
-        return self._snapshots.versions()
-
-    def snapshot_info(self) -> dict[str, Any]:
-        """Retained versions, their bytes and the budget."""
-        return {"versions": self._snapshots.versions(), "bytes": self._snapshots.nbytes,
-                "budget_bytes": self._snapshots.budget_bytes, "current": self._version,
-                "route_cache_sequences": len(self._routes)}
-
-    def drop_snapshots(self, versions: Sequence[int] | None = None) -> None:
-        """Forget retained versions (all when None)."""
-        if versions is None:
-            self._snapshots.clear()
-        else:
-            self._snapshots.drop(versions)
-        if self._shadow_version not in self._snapshots.versions():
-            self._shadow_version = None
-
-    def close(self) -> None:
-        self._snapshots.clear()
-        self._routes.clear()
-        self._shadow = None
-        self._shadow_version = None
+    # snapshot_versions / snapshot_info / drop_snapshots / close: RetainedState
 
     def _current_weights_cpu(self) -> Weights:
         # named_parameters() lists a tied LM head once, under model.embed_tokens.weight — the same
@@ -364,18 +372,6 @@ class EmbeddedTrainEngine:
         return self._shadow
 
     # --- forward ------------------------------------------------------------------------------
-    def _pack_routes(self, batch: TokenBatch, routes: Sequence[torch.Tensor], width: int
-                     ) -> torch.Tensor:
-        """(b, width, L, k) replay tensor; positions without a route (the last token, padding)
-        get experts 0..k−1 — they cannot influence any log-prob (causal attention)."""
-        cfg = self.model.config
-        k = cfg.num_experts_per_tok
-        out = torch.arange(k).expand(batch.batch_size, width, cfg.num_layers, k).clone()
-        for i, r in enumerate(routes):
-            n = int(batch.total_lens[i]) - 1
-            out[i, :n] = r[:n].to(torch.long)
-        return out.to(self.device)
-
     def _forward(
         self, model: CausalLM, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
         temperature: float, with_entropy: bool,
@@ -387,7 +383,8 @@ class EmbeddedTrainEngine:
         width = max(int(batch.total_lens.max()), 1)
         ids = batch.input_ids[:, :width].to(self.device)
         attn = batch.attention_mask[:, :width].to(self.device)
-        replay_t = None if replay is None else self._pack_routes(batch, replay, width)
+        replay_t = None if replay is None else pad_routes(batch, replay, width,
+                                                          self.model.config).to(self.device)
         logits, routes = model(ids, attention_mask=attn, replay_routes=replay_t)
         lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
         per_seq = None
@@ -396,68 +393,9 @@ class EmbeddedTrainEngine:
                             for i in range(batch.batch_size))
         return lp, entropy, per_seq
 
-    # --- routing ------------------------------------------------------------------------------
-    def _check_rollout_routes(self, batch: TokenBatch) -> list[torch.Tensor]:
-        cfg = self.model.config
-        if batch.routes is None or any(r is None for r in batch.routes):
-            raise ValueError("routing='r3' needs batch.routes for every sequence: the rollout "
-                             "engine's routed experts (request return_routed_experts=True)")
-        out = []
-        for i, r in enumerate(batch.routes):
-            assert r is not None
-            want = (int(batch.total_lens[i]) - 1, cfg.num_layers, cfg.num_experts_per_tok)
-            if tuple(r.shape) != want:
-                raise ValueError(f"routes of sequence {i} have shape {tuple(r.shape)}, expected "
-                                 f"(P + O − 1, L, k) = {want}; pass the rollout's routed experts "
-                                 "from position 0 (routed_experts_start_len=0)")
-            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= cfg.num_experts):
-                raise ValueError(f"routes of sequence {i} name experts outside "
-                                 f"[0, {cfg.num_experts})")
-            out.append(r)
-        return out
-
-    def _replay_for(self, batch: TokenBatch, routing: str, version: int,
-                    r2_version: int | None) -> list[torch.Tensor] | None:
-        """Per-sequence routes to replay, or None for the router's own choices at ``version``."""
-        if routing not in ROUTING_MODES:
-            raise ValueError(f"routing={routing!r}; use one of {', '.join(ROUTING_MODES)}")
-        if routing == "free":
-            return None
-        if not self.model.config.is_moe:
-            raise ValueError(f"routing={routing!r} replays MoE expert choices but this model is "
-                             "dense; use routing='free'")
-        if routing == "r3":
-            return self._check_rollout_routes(batch)
-        ref = version if r2_version is None else int(r2_version)
-        if ref == version:
-            return None  # the trainer's own routes at the weights in use = free routing
-        return self._own_routes(batch, ref)
-
-    def _own_routes(self, batch: TokenBatch, version: int) -> list[torch.Tensor]:
-        """R2: the routes this trainer chooses for ``batch`` under ``version`` (cache or record)."""
-        keys = [sequence_key(batch, i) for i in range(batch.batch_size)]
-        found: list[torch.Tensor | None] = [self._routes.get(version, k) for k in keys]
-        missing = [i for i, r in enumerate(found) if r is None]
-        if missing:
-            try:
-                model = self._model_at(version)
-            except SnapshotUnavailableError as e:
-                raise SnapshotUnavailableError(
-                    f"R2 needs the routes of version {version} for {len(missing)} sequence(s) "
-                    f"that were never forwarded under it, and {e}") from None
-            sub = batch.select(missing)
-            with torch.no_grad():
-                _, _, routes = self._forward(model, sub, None, 1.0, with_entropy=False)
-            assert routes is not None
-            for j, i in enumerate(missing):
-                found[i] = routes[j]
-                self._routes.put(version, keys[i], routes[j])
-        return [r for r in found if r is not None]
-
-    def _remember_routes(self, batch: TokenBatch, version: int,
-                         routes: Sequence[torch.Tensor]) -> None:
-        for i, r in enumerate(routes):
-            self._routes.put(version, sequence_key(batch, i), r)
+    # --- routing (shared: training.engines.routes.RouteReplay) -------------------------------
+    def _route_config(self) -> ModelConfig:
+        return self.model.config
 
     # --- log-probs ----------------------------------------------------------------------------
     def compute_log_probs(
@@ -479,26 +417,16 @@ class EmbeddedTrainEngine:
         v = self._version if version is None else int(version)
         model = self._model_at(v)
         replay = self._replay_for(batch, routing, v, r2_version)
-        lps, ents, routes = [], [], []
         with torch.no_grad():
-            for s in micro_batch_slices(batch.batch_size, micro_batch_size):
-                mb = batch.select(s)
-                lp, ent, r = self._forward(model, mb, None if replay is None else replay[s],
-                                           temperature, with_entropy)
-                lps.append(lp.cpu())
-                if ent is not None:
-                    ents.append(ent.cpu())
-                if r is not None:
-                    routes.extend(r)
-        if routes and replay is None:
-            self._remember_routes(batch, v, routes)
-        t = batch.response_len
-        return LogProbResult(
-            log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
-            entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
-            routes=tuple(routes) if self.model.config.is_moe else None,
-            weight_version=v,
-        )
+            result = micro_batch_log_probs(
+                lambda s: self._forward(model, batch.select(s),
+                                        None if replay is None else replay[s], temperature,
+                                        with_entropy),
+                batch, micro_batch_size=micro_batch_size, with_entropy=with_entropy,
+                is_moe=self.model.config.is_moe, weight_version=v)
+        if result.routes and replay is None:
+            self._remember_routes(batch, v, result.routes)
+        return result
 
     def compute_log_probs_with_weights(
         self,
@@ -543,24 +471,13 @@ class EmbeddedTrainEngine:
             for name, p in shadow.named_parameters():
                 p.copy_(weights[name])
         self._shadow_version = None  # the shadow now holds no version
-        lps, ents, routes = [], [], []
         with torch.no_grad():
-            for s in micro_batch_slices(batch.batch_size, micro_batch_size):
-                lp, ent, r = self._forward(shadow, batch.select(s),
-                                           None if replay is None else replay[s], temperature,
-                                           with_entropy)
-                lps.append(lp.cpu())
-                if ent is not None:
-                    ents.append(ent.cpu())
-                if r is not None:
-                    routes.extend(r)
-        t = batch.response_len
-        return LogProbResult(
-            log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
-            entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
-            routes=tuple(routes) if self.model.config.is_moe else None,
-            weight_version=None,
-        )
+            return micro_batch_log_probs(
+                lambda s: self._forward(shadow, batch.select(s),
+                                        None if replay is None else replay[s], temperature,
+                                        with_entropy),
+                batch, micro_batch_size=micro_batch_size, with_entropy=with_entropy,
+                is_moe=self.model.config.is_moe, weight_version=None)
 
     def _check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """ValueError unless ``weights`` has exactly the model's parameter names and shapes."""
@@ -700,15 +617,12 @@ class EmbeddedTrainEngine:
                 for v, weights in snaps:
                     save_file(weights, str(tmp / SNAPSHOT_DIR / f"v{v}.safetensors"))
             if len(self._routes):
-                # names "<FIFO index>:<version>:<key>" keep the cache's eviction order
-                save_file({f"{i:09d}:{v}:{k}": r.contiguous()
-                           for i, ((v, k), r) in enumerate(self._routes.items())},
-                          str(tmp / ROUTE_CACHE_FILE))
+                save_file(self._routes.tensors(), str(tmp / ROUTE_CACHE_FILE))
             state = {
                 "format": STATE_FORMAT,
                 "step": self._step,
                 "weight_version": self._version,
-                "optim_config": {**asdict(self.optim), "betas": list(self.optim.betas)},
+                "optim_config": _optim_config_state(self.optim),
                 "optimizer": self._optimizer.state_dict(),
                 "snapshot_versions": [v for v, _ in snaps],
                 "rng": _rng_state(),
@@ -732,12 +646,7 @@ class EmbeddedTrainEngine:
                                   f"this engine ({self.model.config}); build the engine with "
                                   "EmbeddedTrainEngine.from_checkpoint")
         weights = read_state_dict(d)
-        try:
-            optim = OptimConfig(**{**state["optim_config"],
-                                   "betas": tuple(state["optim_config"]["betas"])})
-        except (TypeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{d / TRAINER_STATE_FILE}: bad optimizer config ({e}); the "
-                                  "checkpoint is corrupt — resume from an earlier one") from None
+        optim = _optim_from_state(state, d)
         snapshots = [(int(v), _read_weights(d / SNAPSHOT_DIR / f"v{int(v)}.safetensors"))
                      for v in state["snapshot_versions"]]
         routes = _read_routes(d / ROUTE_CACHE_FILE)
@@ -757,13 +666,7 @@ class EmbeddedTrainEngine:
         load_weights_into(self.model, weights, source=d)
         self.optim, self._optimizer, self.tokenizer = optim, optimizer, tokenizer
         self._step, self._version = int(state["step"]), int(state["weight_version"])
-        self._snapshots.clear()
-        for v, w in snapshots:
-            self._snapshots.put(v, w)
-        self._routes.clear()
-        for (v, k), r in routes:
-            self._routes.put(v, k, r)
-        self._shadow_version = None
+        self._restore_retained(snapshots, routes)
         _set_rng_state(state["rng"])
 
 
@@ -814,6 +717,21 @@ def _read_trainer_state(d: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} has format {state['format']}, this asyncrl reads "
                               f"{STATE_FORMAT}")
     return state
+
+
+def _optim_config_state(optim: OptimConfig) -> dict[str, Any]:
+    """``optim`` as the ``optim_config`` entry of a trainer state (betas as a list)."""
+    return {**asdict(optim), "betas": list(optim.betas)}
+
+
+def _optim_from_state(state: dict[str, Any], d: Path) -> OptimConfig:
+    """The OptimConfig of a trainer state read from checkpoint ``d`` (CheckpointError if bad)."""
+    try:
+        return OptimConfig(**{**state["optim_config"],
+                              "betas": tuple(state["optim_config"]["betas"])})
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{d / TRAINER_STATE_FILE}: bad optimizer config ({e}); the "
+                              "checkpoint is corrupt — resume from an earlier one") from None
 
 
 def _read_weights(path: Path) -> Weights:

@@ -53,9 +53,11 @@ from safetensors.torch import save_file
 
 from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.embedded.trainer import (
-    RouteCache,
+    RetainedState,
     SnapshotStore,
     _check_temperature,
+    _optim_config_state,
+    _optim_from_state,
     _read_routes,
     _read_weights,
     _rng_state,
@@ -84,17 +86,16 @@ from training.engines.objective import (
     check_train_inputs,
     log_probs_per_token_version,
     merge_loss_metrics,
+    micro_batch_log_probs,
     response_log_probs,
     step_metrics,
 )
+from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
-    ROUTING_MODES,
     LogProbResult,
     OptimConfig,
-    SnapshotUnavailableError,
     TokenBatch,
     lr_multiplier,
-    micro_batch_slices,
     sequence_key,
 )
 from training.tasks.tokenizer import CharTokenizer
@@ -150,7 +151,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class MegatronRank:
+class MegatronRank(RetainedState, RouteReplay):
     """The model shard, optimizer, snapshots and route cache of one rank (module docstring).
 
     Lifecycle: ``init_distributed`` (or ``init_in_process``), then ``load_pretrained`` or
@@ -390,30 +391,12 @@ class MegatronRank:
         return self.cfg
 
     # --- snapshots ----------------------------------------------------------------------------
-    def snapshot_versions(self) -> list[int]:
-        return self._snapshots.versions()
-
-    def snapshot_info(self) -> dict[str, Any]:
-        return {"versions": self._snapshots.versions(), "bytes": self._snapshots.nbytes,
-                "budget_bytes": self._snapshots.budget_bytes, "current": self._version,
-                "route_cache_sequences": len(self._routes)}
-
-    def drop_snapshots(self, versions: Sequence[int] | None = None) -> None:
-        if versions is None:
-            self._snapshots.clear()
-        else:
-            self._snapshots.drop(versions)
-        if self._shadow_version not in self._snapshots.versions():
-            self._shadow_version = None
-
+    # snapshot_versions / snapshot_info / drop_snapshots: RetainedState (embedded trainer)
     def close(self) -> None:
         if self._pusher is not None:
             pusher, self._pusher = self._pusher, None
             pusher.close()
-        self._snapshots.clear()
-        self._routes.clear()
-        self._shadow = None
-        self._shadow_version = None
+        super().close()
 
     def _model_at(self, version: int) -> Any:
         if version > self._version:
@@ -473,70 +456,14 @@ class MegatronRank:
                 per_seq = tuple(r.to(torch.int32) for r in replay)
         return lp, entropy, per_seq
 
-    # --- routing (as the embedded engine) -----------------------------------------------------
-    def _check_rollout_routes(self, batch: TokenBatch) -> list[torch.Tensor]:
-        cfg = self.config()
-        if batch.routes is None or any(r is None for r in batch.routes):
-            raise ValueError("routing='r3' needs batch.routes for every sequence: the rollout "
-                             "engine's routed experts (request return_routed_experts=True)")
-        out = []
-        for i, r in enumerate(batch.routes):
-            assert r is not None
-            want = (int(batch.total_lens[i]) - 1, cfg.num_layers, cfg.num_experts_per_tok)
-            if tuple(r.shape) != want:
-                raise ValueError(f"routes of sequence {i} have shape {tuple(r.shape)}, expected "
-                                 f"(P + O − 1, L, k) = {want}; pass the rollout's routed experts "
-                                 "from position 0 (routed_experts_start_len=0)")
-            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= cfg.num_experts):
-                raise ValueError(f"routes of sequence {i} name experts outside "
-                                 f"[0, {cfg.num_experts})")
-            out.append(r)
-        return out
+    # --- routing (shared with the embedded engine: training.engines.routes.RouteReplay) ------
+    # Every rank holds the same route cache (log-prob passes run the whole batch everywhere;
+    # train steps share what they record), so every rank takes the same R2 branch.
+    def _route_config(self) -> ModelConfig:
+        return self.config()
 
-    def _replay_for(self, batch: TokenBatch, routing: str, version: int,
-                    r2_version: int | None) -> list[torch.Tensor] | None:
-        if routing not in ROUTING_MODES:
-            raise ValueError(f"routing={routing!r}; use one of {', '.join(ROUTING_MODES)}")
-        if routing == "free":
-            return None
-        if not self.config().is_moe:
-            raise ValueError(f"routing={routing!r} replays MoE expert choices but this model is "
-                             "dense; use routing='free'")
-        if routing == "r3":
-            return self._check_rollout_routes(batch)
-        ref = version if r2_version is None else int(r2_version)
-        if ref == version:
-            return None
-        return self._own_routes(batch, ref)
-
-    def _own_routes(self, batch: TokenBatch, version: int) -> list[torch.Tensor]:
-        """R2 routes of ``batch`` under ``version``: cached, or recorded under its snapshot. Every
-        rank holds the same cache (log-prob passes run the whole batch everywhere; train steps
-        share what they record), so every rank takes the same branch."""
-        keys = [sequence_key(batch, i) for i in range(batch.batch_size)]
-        found: list[torch.Tensor | None] = [self._routes.get(version, k) for k in keys]
-        missing = [i for i, r in enumerate(found) if r is None]
-        if missing:
-            try:
-                model = self._model_at(version)
-            except SnapshotUnavailableError as e:
-                raise SnapshotUnavailableError(
-                    f"R2 needs the routes of version {version} for {len(missing)} sequence(s) "
-                    f"that were never forwarded under it, and {e}") from None
-            sub = batch.select(missing)
-            model.eval()
-            with torch.no_grad():
-                _, _, routes = self._forward(model, sub, None, 1.0, with_entropy=False)
-            assert routes is not None
-            for j, i in enumerate(missing):
-                found[i] = routes[j]
-                self._routes.put(version, keys[i], routes[j])
-        return [r for r in found if r is not None]
-
-    def _remember_routes(self, batch: TokenBatch, version: int,
-                         routes: Sequence[torch.Tensor]) -> None:
-        for i, r in enumerate(routes):
-            self._routes.put(version, sequence_key(batch, i), r)
+    def _prepare_route_model(self, model: Any) -> None:
+        model.eval()
 
     # --- log-probs ----------------------------------------------------------------------------
     def compute_log_probs(self, batch: TokenBatch, *, routing: str = "free",
@@ -552,27 +479,17 @@ class MegatronRank:
         v = self._version if version is None else int(version)
         model = self._model_at(v)
         replay = self._replay_for(batch, routing, v, r2_version)
-        lps, ents, routes = [], [], []
         model.eval()
         with torch.no_grad():
-            for s in micro_batch_slices(batch.batch_size, micro_batch_size):
-                mb = batch.select(s)
-                lp, ent, r = self._forward(model, mb, None if replay is None else replay[s],
-                                           temperature, with_entropy)
-                lps.append(lp.cpu())
-                if ent is not None:
-                    ents.append(ent.cpu())
-                if r is not None:
-                    routes.extend(r)
-        if routes and replay is None:
-            self._remember_routes(batch, v, routes)
-        t = batch.response_len
-        return LogProbResult(
-            log_probs=torch.cat(lps) if lps else torch.zeros(0, t),
-            entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
-            routes=tuple(routes) if self.config().is_moe else None,
-            weight_version=v,
-        )
+            result = micro_batch_log_probs(
+                lambda s: self._forward(model, batch.select(s),
+                                        None if replay is None else replay[s], temperature,
+                                        with_entropy),
+                batch, micro_batch_size=micro_batch_size, with_entropy=with_entropy,
+                is_moe=self.config().is_moe, weight_version=v)
+        if result.routes and replay is None:
+            self._remember_routes(batch, v, result.routes)
+        return result
 
     # --- training -----------------------------------------------------------------------------
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor,
@@ -793,13 +710,11 @@ class MegatronRank:
                         "coords": list(self._coords())}, rank_dir / "rng.pt")
             if self.rank == 0:
                 if len(self._routes):
-                    save_file({f"{i:09d}:{v}:{k}": r.contiguous()
-                               for i, ((v, k), r) in enumerate(self._routes.items())},
-                              str(tmp / ROUTE_CACHE_FILE))
+                    save_file(self._routes.tensors(), str(tmp / ROUTE_CACHE_FILE))
                 torch.save({
                     "format": STATE_FORMAT, "kind": STATE_KIND, "step": self._step,
                     "weight_version": self._version,
-                    "optim_config": {**asdict(self.optim), "betas": list(self.optim.betas)},
+                    "optim_config": _optim_config_state(self.optim),
                     "parallel": self.parallel.sizes(),
                     "distributed_optimizer": self.parallel.distributed_optimizer,
                     "world_size": self.parallel.world_size,
@@ -865,13 +780,7 @@ class MegatronRank:
             self.optimizer.reload_model_params()
         self.optim = optim
         self._step, self._version = int(state["step"]), int(state["weight_version"])
-        self._snapshots.clear()
-        for v, w in snapshots:
-            self._snapshots.put(v, w)
-        self._routes.clear()
-        for (v, k), r in routes:
-            self._routes.put(v, k, r)
-        self._shadow_version = None
+        self._restore_retained(snapshots, routes)
         _set_rng_state(rank_state["rng"])
         _set_tracker_states(rank_state["tracker"])
         return self.state()
@@ -928,13 +837,9 @@ def _router_replays(model: Any) -> list[Any]:
 def _pack_routes(batch: TokenBatch, routes: Sequence[torch.Tensor], width: int,
                  cfg: ModelConfig) -> list[torch.Tensor]:
     """SGLang-layout routes → per layer ``[width·b, k]`` long indices in megatron's token order
-    (sequence-major: token s of row b is s·b_total + b). Positions without a route (the last
-    token, padding) get experts 0..k−1: they cannot change any log-prob (causal attention)."""
+    (sequence-major: token s of row b is s·b_total + b); padded as :func:`pad_routes`."""
     k, b = cfg.num_experts_per_tok, batch.batch_size
-    out = torch.arange(k).expand(b, width, cfg.num_layers, k).clone()
-    for i, r in enumerate(routes):
-        n = int(batch.total_lens[i]) - 1
-        out[i, :n] = r[:n].to(torch.long)
+    out = pad_routes(batch, routes, width, cfg)
     return [out[:, :, layer].transpose(0, 1).reshape(width * b, k).contiguous()
             for layer in range(cfg.num_layers)]
 
@@ -1067,12 +972,3 @@ def _read_trainer_state(d: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} has format {state['format']}, this asyncrl reads "
                               f"{STATE_FORMAT}")
     return state
-
-
-def _optim_from_state(state: dict[str, Any], d: Path) -> OptimConfig:
-    try:
-        return OptimConfig(**{**state["optim_config"],
-                              "betas": tuple(state["optim_config"]["betas"])})
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{d / TRAINER_STATE_FILE}: bad optimizer config ({e}); the "
-                              "checkpoint is corrupt — resume from an earlier one") from None

@@ -7,8 +7,10 @@ import os
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
+    """Per module, shut down at its end: later modules (tests/training/runtime) start their own
+    Ray, which a still-running session-wide one would make fail."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 

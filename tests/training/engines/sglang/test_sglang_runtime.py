@@ -46,6 +46,7 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_run_on_the_sglang_path_survives_an_engine_restart(ray_session, sglang_stand_in,
                                                              tmp_path):
     recipe = recipe_from_dict({
