@@ -591,9 +591,22 @@ class Runtime:
         t0 = time.monotonic()
         try:
             report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
-        except ray.exceptions.RayTaskError as e:
-            raise RunError(f"NCCL weight sync to version {version} failed: {_first_line(e)}"
-                           ) from None
+        except ray.exceptions.RayTaskError:
+            # an engine may have died since the group was made, before its actor noticed: give
+            # the fleet a moment to see it (a relaunch changes the launch count), remake the
+            # group with whoever is ready, and try once more
+            launches = self.fleet.launches(ray)
+            settle = time.monotonic() + 10.0
+            while self.fleet.launches(ray) == launches and time.monotonic() < settle and all(
+                    st["state"] == "ready" for st in self.fleet.statuses(ray)):
+                time.sleep(0.5)
+            self._nccl_group = None
+            self._nccl_init(ray)
+            try:
+                report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
+            except ray.exceptions.RayTaskError as e:
+                raise RunError(f"NCCL weight sync to version {version} failed: "
+                               f"{_first_line(e)}") from None
         load_s = time.monotonic() - t0
         out = dict(ray.get(self.rollouter.end_weight_sync.remote(
             version, next_step, self.consumed_samples, wait_s, load_s)))
@@ -605,8 +618,15 @@ class Runtime:
 
     def _nccl_init(self, ray: Any) -> None:
         """(Re)make the weight group when the ready engines changed since it was made."""
-        launches = self.fleet.launches(ray)
-        urls = tuple(st["url"] for st in self.fleet.statuses(ray) if st["state"] == "ready")
+        deadline = time.monotonic() + self.recipe.engines.sglang.startup_timeout_s
+        while True:  # an engine being relaunched joins once it is ready again
+            launches = self.fleet.launches(ray)
+            states = self.fleet.statuses(ray)
+            urls = tuple(st["url"] for st in states if st["state"] == "ready")
+            coming = any(st["state"] in ("new", "starting", "restarting") for st in states)
+            if urls or not coming or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         if (launches, urls) == self._nccl_group:
             return
         if not urls:
