@@ -196,3 +196,25 @@ def postgres_db(postgres_server, postgres_admin) -> str:
     postgres_admin(f'CREATE DATABASE "{name}"')
     yield f"{postgres_server}/{name}"
     postgres_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def services_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fresh ``ASYNCRL_HOME`` with no service URLs inherited from the environment, for tests
+    of ``asyncrl up``/``down`` and the tracking servers; afterwards, whatever server a failed test
+    left running is stopped by its recorded process group."""
+    import json
+
+    from ui import services_cli
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("ASYNCRL_HOME", str(home))
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "PREFECT_API_URL",
+                "ASYNCRL_REGISTRY_URL", "ASYNCRL_MLFLOW_UI_URL"):
+        monkeypatch.delenv(var, raising=False)
+    yield home
+    record = home / "services.json"
+    if record.is_file():
+        for entry in json.loads(record.read_text()).values():
+            if services_cli._is_ours(entry):
+                services_cli._stop_groups([entry["pgid"]], grace=5.0)

@@ -21,18 +21,8 @@ from ui import services_cli
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
-    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "ASYNCRL_MLFLOW_UI_URL",
-                "PREFECT_API_URL"):
-        monkeypatch.delenv(var, raising=False)
-    yield tmp_path / "home"
-    # a server a failed test left running: stop it, by its recorded process group
-    record = tmp_path / "home" / "services.json"
-    if record.is_file():
-        for entry in json.loads(record.read_text()).values():
-            if services_cli._is_ours(entry):
-                services_cli._stop_groups([entry["pgid"]], grace=5.0)
+def home(services_home: Path) -> Path:
+    return services_home
 
 
 @pytest.fixture

@@ -28,18 +28,8 @@ def cli() -> typer.Typer:
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
-    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "ASYNCRL_REGISTRY_URL",
-                "ASYNCRL_MLFLOW_UI_URL"):
-        monkeypatch.delenv(var, raising=False)
-    yield tmp_path / "home"
-    # whatever a failed test left running that `up` started: stop it, by its recorded group
-    record = tmp_path / "home" / "services.json"
-    if record.is_file():
-        for entry in json.loads(record.read_text()).values():
-            if services_cli._is_ours(entry):
-                services_cli._stop_groups([entry["pgid"]], grace=5.0)
+def home(services_home: Path) -> Path:
+    return services_home
 
 
 def _free_port() -> int:
