@@ -143,12 +143,14 @@ ModelSpec = Annotated[WarmStartModel | CheckpointModel, Field(discriminator="kin
 class MegatronConfig(_Strict):
     """The Megatron train backend (``engines.train: megatron``; ``pip install -e ".[megatron]"``):
     megatron-core's GPTModel on Ray actors, one per rank (tensor × pipeline × data parallel; experts
-    split over expert_parallel ranks). On a machine without CUDA it runs on CPU with gloo."""
+    split over expert_parallel of the data-parallel ranks). On a machine without CUDA it runs on
+    CPU with gloo."""
 
     tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel size (TP).")
     pipeline_parallel: int = Field(1, ge=1, le=64, description="Pipeline-parallel size (PP).")
     expert_parallel: int = Field(1, ge=1, le=64, description=(
-        "Expert-parallel size (EP, MoE only); must divide the data-parallel × tensor ranks."))
+        "Expert-parallel size (EP, MoE only): the experts are split over this many "
+        "data-parallel ranks; must divide data_parallel and the expert count."))
     data_parallel: int = Field(1, ge=1, le=1024, description=(
         "Data-parallel size (DP); ranks = TP × PP × DP."))
     gpus_per_rank: float = Field(1.0, ge=0.0, le=8.0, description=(
@@ -595,14 +597,20 @@ class Recipe(_Strict):
             if not moe and isinstance(self.model, WarmStartModel):
                 raise ValueError(f"engines.megatron.expert_parallel={m.expert_parallel} needs an "
                                  "MoE model: set model.moe_experts > 0 or expert_parallel: 1")
-            if (m.tensor_parallel * m.data_parallel) % m.expert_parallel:
+            if m.data_parallel % m.expert_parallel:
                 raise ValueError(
                     f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
-                    f"tensor_parallel × data_parallel = {m.tensor_parallel * m.data_parallel}")
+                    f"data_parallel={m.data_parallel} (experts are split over the "
+                    "data-parallel ranks)")
             if moe and self.model.moe_experts % m.expert_parallel:
                 raise ValueError(
                     f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
                     f"model.moe_experts={self.model.moe_experts}")
+        if e.train == "megatron" and moe and m.tensor_parallel > 1:
+            raise ValueError(f"engines.megatron.tensor_parallel={m.tensor_parallel} with an MoE "
+                             "model: megatron trains MoE layers under TP only with sequence "
+                             "parallelism, which asyncrl does not run; split the experts with "
+                             "expert_parallel (and data_parallel) and keep tensor_parallel: 1")
         if self.data.max_in_flight < self.rollout.n:
             raise ValueError(f"data.max_in_flight={self.data.max_in_flight} is below the group "
                              f"size rollout.n={self.rollout.n}; raise it")

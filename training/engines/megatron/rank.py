@@ -17,10 +17,11 @@ semantics it follows: versions, snapshots, R2 route cache, skipped non-finite st
   REPLAY_FORWARD, ``moe_enable_routing_replay=True``); SGLang-layout routes (P+O−1, L, k) become
   per layer ``[S·B, k]`` indices in megatron's sequence-major token order. The router instances are
   driven one by one (never through RouterReplay's process-global list, which would mix models).
-* **Data parallelism.** ``train_step`` gives micro-batch i to DP rank i mod DP; gradients are
-  *summed* over DP (``calculate_per_token_loss``) because every micro-batch loss already carries
-  its share of the global normaliser. Log-prob passes run the whole batch on every rank (simple and
-  exact; DP gives no speed-up there).
+* **Data parallelism.** ``train_step`` gives the i-th micro-batch with loss tokens to DP rank
+  i mod DP (:class:`Rounds`); gradients are *summed* over DP (``calculate_per_token_loss``)
+  because every micro-batch loss already carries its share of the global normaliser. Log-prob
+  passes with more than one micro-batch are shared out the same way and their results
+  all-gathered; a single micro-batch runs on every rank.
 * **Optimizer.** ``get_megatron_optimizer`` (torch AdamW underneath on machines without apex /
   TransformerEngine; the FP32 optimizer, or the DistributedOptimizer); learning rate and weight
   decay (× megatron's per-group ``wd_mult``: no decay on 1-D weights) are set before each step
@@ -30,8 +31,15 @@ semantics it follows: versions, snapshots, R2 route cache, skipped non-finite st
   and per-rank RNG / snapshot files. Everything is read and validated, and the sharded tensors are
   loaded into copies, before the live weights change; every rank agrees on the outcome.
 
-Limits: pipeline_parallel and expert_parallel must be 1 (the conversion supports EP; the engine's
-micro-batch sharding does not yet); checkpoints written with different parallel sizes are refused.
+* **Expert parallelism.** EP splits the experts over the data-parallel ranks (megatron: expert
+  TP = TP, so EP must divide DP). The allgather token dispatcher gathers every rank's tokens over
+  the expert group, so ranks of that group must forward (and backward) the same shapes at the same
+  time: micro-batches are shared out in :class:`Rounds` and padded to the round's largest; a rank
+  without a micro-batch in the last round runs a dummy with zero loss.
+
+Limits: pipeline_parallel must be 1; MoE with tensor_parallel > 1 is refused (megatron trains it
+only with sequence parallelism, which this engine does not run: use expert_parallel);
+checkpoints written with different parallel sizes are refused.
 """
 
 from __future__ import annotations
@@ -96,6 +104,7 @@ from training.engines.train import (
     OptimConfig,
     TokenBatch,
     lr_multiplier,
+    micro_batch_slices,
     sequence_key,
 )
 from training.tasks.tokenizer import CharTokenizer
@@ -130,10 +139,13 @@ class Parallelism:
             raise ValueError(f"engines.megatron.pipeline_parallel={self.pipeline_parallel}: the "
                              "asyncrl megatron engine does not run pipeline stages yet; set "
                              "pipeline_parallel: 1 and use tensor_parallel / data_parallel")
-        if self.expert_parallel != 1:
-            raise ValueError(f"engines.megatron.expert_parallel={self.expert_parallel}: the "
-                             "asyncrl megatron engine keeps every expert on each rank for now; "
-                             "set expert_parallel: 1 (tensor_parallel splits the experts)")
+        if self.data_parallel % self.expert_parallel:
+            # megatron's expert layout: expert-TP (= TP) × EP × expert-DP × PP = world, so the
+            # experts are split over the data-parallel ranks
+            raise ValueError(f"engines.megatron.expert_parallel={self.expert_parallel} must "
+                             f"divide data_parallel={self.data_parallel} (experts are split "
+                             "over the data-parallel ranks); set data_parallel to a multiple "
+                             "of expert_parallel")
 
     @property
     def world_size(self) -> int:
@@ -149,6 +161,38 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """Micro-batches spread over the data-parallel ranks: round k gives ``slices[k·dp + d]`` to
+    DP rank d.
+
+    ``shapes[k]`` is the (rows, width) of the longest micro-batch of round k: with expert
+    parallelism every rank of round k pads its forward to it (the MoE token all-gather needs
+    the same token count on every rank of the expert group). ``mine[k]`` is this rank's slice
+    of round k, None where the last round has none for it: it then runs a padded dummy forward
+    (and backward) so the collectives of all ranks still pair up.
+    """
+
+    rounds: tuple[tuple[slice, ...], ...]
+    shapes: tuple[tuple[int, int], ...]
+    mine: tuple[slice | None, ...]
+
+    @classmethod
+    def of(cls, batch: TokenBatch, slices: Sequence[slice], dp: int, dp_rank: int) -> Rounds:
+        rounds = tuple(tuple(slices[k: k + dp]) for k in range(0, len(slices), dp))
+        shapes = tuple((max(s.stop - s.start for s in r),
+                        max(max(int(batch.total_lens[s].max()), 1) for s in r)) for r in rounds)
+        mine = tuple(r[dp_rank] if dp_rank < len(r) else None for r in rounds)
+        return cls(rounds, shapes, mine)
+
+    def pad_of(self, s: slice) -> tuple[int, int]:
+        """The padded shape of the round holding ``s``."""
+        for r, shape in zip(self.rounds, self.shapes, strict=True):
+            if s in r:
+                return shape
+        raise KeyError(s)
 
 
 class MegatronRank(RetainedState, RouteReplay):
@@ -246,6 +290,12 @@ class MegatronRank(RetainedState, RouteReplay):
 
         return (ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                 ps.get_data_parallel_group_gloo())
+
+    @property
+    def _lockstep(self) -> bool:
+        """Whether every forward must have the same shape on all data-parallel ranks (expert
+        parallelism: :class:`Rounds`)."""
+        return self.parallel.expert_parallel > 1
 
     def _agree(self, error: str | None, exc: type[Exception] = CheckpointError) -> None:
         """Raise ``exc`` on every rank if any rank has an error (first one wins), so no rank
@@ -415,40 +465,51 @@ class MegatronRank(RetainedState, RouteReplay):
 
     # --- forward ------------------------------------------------------------------------------
     def _forward(self, model: Any, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
-                 temperature: float, with_entropy: bool
+                 temperature: float, with_entropy: bool, pad_to: tuple[int, int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
         """Response log-probs (b, T), entropy and per-sequence routes of ``batch`` (the input
-        trimmed to its longest sequence, like the embedded engine)."""
+        trimmed to its longest sequence, like the embedded engine).
+
+        ``pad_to=(rows, width)`` forwards a larger input: extra rows and columns are padding no
+        real token attends to (their outputs are dropped). Expert parallelism needs it: the MoE
+        token all-gather requires the same token count on every rank of the expert group.
+        """
         cfg = self.config()
         dev = self.device
-        width = max(int(batch.total_lens.max()), 1)
         b = batch.batch_size
-        ids = batch.input_ids[:, :width].to(dev)
-        attn = batch.attention_mask[:, :width].to(dev)
+        real_width = max(int(batch.total_lens.max()), 1)
+        rows, width = (b, real_width) if pad_to is None else pad_to
+        if rows < b or width < real_width:
+            raise ValueError(f"pad_to={pad_to} is smaller than the batch ({b}, {real_width})")
+        ids = torch.zeros(rows, width, dtype=batch.input_ids.dtype, device=dev)
+        attn = torch.zeros(rows, width, dtype=torch.bool, device=dev)
+        ids[:b, :real_width] = batch.input_ids[:, :real_width].to(dev)
+        attn[:b, :real_width] = batch.attention_mask[:, :real_width].to(dev)
         # explicit mask (megatron: True = not attended): causal ∧ real keys; a row with nothing to
         # attend sees itself (as the embedded model). megatron's default mask lives on 'cuda'.
         allowed = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None] \
             & attn[:, None, :]
         eye = torch.eye(width, dtype=torch.bool, device=dev)[None]
         allowed = allowed | (eye & ~allowed.any(-1, keepdim=True))
-        positions = torch.arange(width, device=dev)[None].expand(b, width)
+        positions = torch.arange(width, device=dev)[None].expand(rows, width)
         routers = _router_replays(model)
         if routers:
             _arm_routers(routers, None if replay is None
-                         else _pack_routes(batch, replay, width, cfg))
+                         else _pack_routes(batch, replay, width, cfg, rows))
         try:
             logits = model(ids, positions, ~allowed[:, None])
             recorded = [r.recorded_topk_idx for r in routers] if replay is None else None
         finally:
             _disarm_routers(routers)
-        logits = logits[..., : cfg.vocab_size]  # drop the vocabulary padding of TP
+        # drop the padding rows / columns and the vocabulary padding of TP
+        logits = logits[:b, :real_width, : cfg.vocab_size]
         lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
         per_seq = None
         if routers:
             if recorded is not None:
                 # [S·B, k] per layer, sequence-major → (B, S, L, k)
-                routes = torch.stack([r.view(width, b, -1).transpose(0, 1) for r in recorded],
-                                     dim=2)
+                routes = torch.stack([r.view(width, rows, -1).transpose(0, 1)[:b]
+                                      for r in recorded], dim=2)
                 per_seq = tuple(routes[i, : int(batch.total_lens[i]) - 1].to("cpu", torch.int32)
                                 for i in range(b))
             else:
@@ -480,13 +541,36 @@ class MegatronRank(RetainedState, RouteReplay):
         model = self._model_at(v)
         replay = self._replay_for(batch, routing, v, r2_version)
         model.eval()
+
+        def forward(s: slice, pad_to: tuple[int, int] | None = None) -> Any:
+            return self._forward(model, batch.select(s), None if replay is None else replay[s],
+                                 temperature, with_entropy, pad_to)
+
+        dp, dp_rank, dp_group = self._dp()
+        slices = micro_batch_slices(batch.batch_size, micro_batch_size)
         with torch.no_grad():
-            result = micro_batch_log_probs(
-                lambda s: self._forward(model, batch.select(s),
-                                        None if replay is None else replay[s], temperature,
-                                        with_entropy),
-                batch, micro_batch_size=micro_batch_size, with_entropy=with_entropy,
-                is_moe=self.config().is_moe, weight_version=v)
+            if dp > 1 and len(slices) > 1:
+                # the micro-batches are shared out over the DP ranks and the results gathered
+                rounds = Rounds.of(batch, slices, dp, dp_rank)
+                done: list[tuple[int, Any]] = []
+                for r, shape, s in zip(rounds.rounds, rounds.shapes, rounds.mine, strict=True):
+                    pad = shape if self._lockstep else None
+                    if s is not None:
+                        lp, ent, routes = forward(s, pad)
+                        done.append((s.start, (lp.cpu(), None if ent is None else ent.cpu(),
+                                               routes)))
+                    elif self._lockstep:
+                        forward(r[0], pad)  # a dummy matching the other ranks' collectives
+                shared: list[Any] = [None] * dp
+                dist.all_gather_object(shared, done, group=dp_group)
+                table = {start: out for part in shared for start, out in part}
+                result = micro_batch_log_probs(
+                    lambda s: table[s.start], batch, micro_batch_size=micro_batch_size,
+                    with_entropy=with_entropy, is_moe=self.config().is_moe, weight_version=v)
+            else:
+                result = micro_batch_log_probs(
+                    forward, batch, micro_batch_size=micro_batch_size,
+                    with_entropy=with_entropy, is_moe=self.config().is_moe, weight_version=v)
         if result.routes and replay is None:
             self._remember_routes(batch, v, result.routes)
         return result
@@ -515,24 +599,42 @@ class MegatronRank(RetainedState, RouteReplay):
         record = replay is None and self.config().is_moe
         recorded: list[tuple[str, torch.Tensor]] = []
 
+        dp, dp_rank, dp_group = self._dp()
+        # the micro-batches with loss tokens, shared out over the DP ranks in rounds
+        slices = micro_batch_slices(batch.batch_size, micro_batch_size)
+        rounds = Rounds.of(batch, [s for s in slices if bool(objective.mask[s].any())], dp,
+                           dp_rank)
+        owned = {s.start for s in rounds.mine if s is not None}
+
         def forward(s: slice, grad: bool):
+            # backward passes are this rank's own round slices: padded like the round's peers
+            # under expert parallelism; no-grad passes (full_batch) run on every rank alike
+            pad = rounds.pad_of(s) if grad and self._lockstep else None
             with torch.set_grad_enabled(grad):
                 mb = batch.select(s)
                 lp, ent, routes = self._forward(self.ddp, mb, None if replay is None
-                                                else replay[s], temperature, with_entropy=True)
+                                                else replay[s], temperature, True, pad)
             if record and routes is not None:
                 self._remember_routes(mb, version, routes)
                 recorded.extend((sequence_key(mb, i), r) for i, r in enumerate(routes))
             return lp, ent
 
-        dp, dp_rank, dp_group = self._dp()
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         acc = accumulate_gradients(
             batch, objective, forward, micro_batch_size=micro_batch_size,
             accumulation=accumulation, device=dev,
-            owned=None if dp == 1 else (lambda i: i % dp == dp_rank))
+            owned=None if dp == 1 else (lambda i: slices[i].start in owned))
+        if self._lockstep:
+            # a rank without a slice in the last round still enters its collectives: a padded
+            # forward of a peer's rows and a backward of zero (no gradient, same communication)
+            for r, shape, s in zip(rounds.rounds, rounds.shapes, rounds.mine, strict=True):
+                if s is None:
+                    lp, ent, _ = self._forward(self.ddp, batch.select(r[0]),
+                                               None if replay is None else replay[r[0]],
+                                               temperature, True, shape)
+                    (lp.sum() * 0.0 + ent.sum() * 0.0).backward()
         loss, pg_loss, parts, entropies = acc.loss, acc.pg_loss, acc.parts, acc.entropies
         assert entropies is not None
         if dp > 1:
@@ -591,7 +693,9 @@ class MegatronRank(RetainedState, RouteReplay):
             gathered = [mine]
         if self.rank != 0:
             return None
-        shards = {(t, e): w for t, e, d, w in gathered if d == 0}
+        shards: dict[tuple[int, int], Weights] = {}
+        for t, e, _, w in gathered:  # one copy of each (TP, EP) shard (DP ranks hold equal ones)
+            shards.setdefault((t, e), w)
         return megatron_to_hf(shards, self.config(), tp=self.parallel.tensor_parallel,
                               ep=self.parallel.expert_parallel)
 
@@ -835,12 +939,16 @@ def _router_replays(model: Any) -> list[Any]:
 
 
 def _pack_routes(batch: TokenBatch, routes: Sequence[torch.Tensor], width: int,
-                 cfg: ModelConfig) -> list[torch.Tensor]:
-    """SGLang-layout routes → per layer ``[width·b, k]`` long indices in megatron's token order
-    (sequence-major: token s of row b is s·b_total + b); padded as :func:`pad_routes`."""
+                 cfg: ModelConfig, rows: int | None = None) -> list[torch.Tensor]:
+    """SGLang-layout routes → per layer ``[width·rows, k]`` long indices in megatron's token
+    order (sequence-major: token s of row b is s·rows + b); padded as :func:`pad_routes`, and
+    padding rows beyond the batch (``rows`` > b) get experts 0..k−1 too."""
     k, b = cfg.num_experts_per_tok, batch.batch_size
+    rows = b if rows is None else rows
     out = pad_routes(batch, routes, width, cfg)
-    return [out[:, :, layer].transpose(0, 1).reshape(width * b, k).contiguous()
+    if rows > b:
+        out = torch.cat([out, torch.arange(k).expand(rows - b, width, cfg.num_layers, k)])
+    return [out[:, :, layer].transpose(0, 1).reshape(width * rows, k).contiguous()
             for layer in range(cfg.num_layers)]
 
 

@@ -76,6 +76,8 @@ def test_sizes_the_engine_does_not_run_are_refused_up_front():
     pytest.importorskip("megatron.core")
     with pytest.raises(TrainBackendUnavailable, match="pipeline_parallel: 1"):
         check_train_backend(_recipe("megatron", pipeline_parallel=2))
-    with pytest.raises(TrainBackendUnavailable, match="expert_parallel: 1"):
-        check_train_backend(_recipe("megatron", moe_experts=4, expert_parallel=2,
-                                   data_parallel=2))
+    from training.engines.megatron.engine import MegatronSettings
+
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide data_parallel=3"):
+        MegatronSettings(expert_parallel=2, data_parallel=3)
+    check_train_backend(_recipe("megatron", moe_experts=4, expert_parallel=2, data_parallel=2))
