@@ -1,15 +1,29 @@
-"""Weights and config between our HF layout and megatron-core's GPTModel (local layer spec).
+"""Weights and config between our HF layout and megatron-core's GPTModel.
+
+Two layer specs ("layouts", :data:`LAYOUTS`): ``"local"`` (``get_gpt_layer_local_spec``, torch and
+megatron modules, runs on CPUs) and ``"te"`` (``get_gpt_layer_with_transformer_engine_spec``,
+TransformerEngine modules, CUDA only). :func:`default_layout` is ``"te"`` when TransformerEngine
+imports and a CUDA device exists, else ``"local"``. The model (:func:`gpt_model_kwargs`) and the
+weights (:func:`hf_to_megatron`, :func:`megatron_to_hf`) must use the same layout; all three
+default to :func:`default_layout`.
 
 Hugging Face names (what :mod:`training.engines.model` and every checkpoint directory use) on the
-left, megatron-core 0.16.1's GPTModel with ``get_gpt_layer_local_spec`` on the right
-(``L.`` = ``model.layers.{i}.`` / ``decoder.layers.{i}.``):
+left, megatron-core 0.16.1's GPTModel names on the right (``L.`` = ``model.layers.{i}.`` /
+``decoder.layers.{i}.``). The layouts differ only in where a layer's two RMSNorm weights live:
+the TE spec fuses a norm into the linear layer after it (``TELayerNormColumnParallelLinear``,
+whose norm weight is ``layer_norm_weight``) — except before an MoE block, which keeps a
+standalone norm module. Everything else, ``decoder.final_layernorm.weight`` included, is named
+alike:
 
 ================================================  ===============================================
 ``model.embed_tokens.weight`` (V, d)              ``embedding.word_embeddings.weight`` (Vp, d)
-``L.input_layernorm.weight``                      ``L.input_layernorm.weight``
+``L.input_layernorm.weight``                      ``L.input_layernorm.weight`` (local),
+                                                  ``L.self_attention.linear_qkv.layer_norm_weight``
+                                                  (te)
 ``L.self_attn.{q,k,v}_proj.weight``               ``L.self_attention.linear_qkv.weight``
 ``L.self_attn.o_proj.weight``                     ``L.self_attention.linear_proj.weight``
-``L.post_attention_layernorm.weight``             ``L.pre_mlp_layernorm.weight``
+``L.post_attention_layernorm.weight``             ``L.pre_mlp_layernorm.weight`` (local; te MoE),
+                                                  ``L.mlp.linear_fc1.layer_norm_weight`` (te dense)
 ``L.mlp.{gate,up}_proj.weight`` (dense)           ``L.mlp.linear_fc1.weight`` = [gate; up]
 ``L.mlp.down_proj.weight`` (dense)                ``L.mlp.linear_fc2.weight``
 ``L.block_sparse_moe.gate.weight`` (MoE)          ``L.mlp.router.weight``
@@ -18,6 +32,12 @@ left, megatron-core 0.16.1's GPTModel with ``get_gpt_layer_local_spec`` on the r
 ``model.norm.weight``                             ``decoder.final_layernorm.weight``
 ``lm_head.weight`` (absent when tied)             ``output_layer.weight`` (Vp, d; absent when tied)
 ================================================  ===============================================
+
+Both layouts build the experts without grouped GEMM (``moe_grouped_gemm=False``): one
+``SequentialMLP`` of per-expert MLPs named ``local_experts.{j}``. TE's grouped experts
+(``TEGroupedMLP``) would instead hold every local expert in one module as
+``mlp.experts.linear_fc1.weight{j}`` / ``linear_fc2.weight{j}``, a third naming this module does
+not convert; ``transformer_config`` keeps ``moe_grouped_gemm=False`` to match.
 
 ``linear_qkv`` is laid out *per query group*: for each of the G = num_kv_heads groups, the
 group's H/G query heads, then its key head, then its value head (rows of head_dim each) — HF's
@@ -46,6 +66,7 @@ dropping.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,7 +75,9 @@ import torch
 from training.engines.model import ModelConfig
 
 __all__ = [
+    "LAYOUTS",
     "check_parallel_sizes",
+    "default_layout",
     "gpt_model_kwargs",
     "hf_to_megatron",
     "megatron_to_hf",
@@ -63,6 +86,53 @@ __all__ = [
 ]
 
 Weights = dict[str, torch.Tensor]
+
+LAYOUTS = ("local", "te")
+"""The layer specs the conversion knows (see the module docstring)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _te_importable() -> bool:
+    """Whether TransformerEngine imports and megatron-core took it up (its TE layer spec
+    needs both)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):  # OSError: the package is there but its CUDA libraries are not
+        return False
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
+
+
+def default_layout() -> str:
+    """``"te"`` when TransformerEngine imports (and megatron-core can use it) and a CUDA device
+    exists — TE does not run on CPUs — else ``"local"``."""
+    return "te" if _te_importable() and torch.cuda.is_available() else "local"
+
+
+def _resolve_layout(layout: str | None) -> str:
+    """``layout``, or :func:`default_layout` for None; ValueError for an unknown one."""
+    if layout is None:
+        return default_layout()
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown megatron layer layout {layout!r}; use one of {LAYOUTS}")
+    return layout
+
+
+def _norm_names(layout: str, moe: bool) -> tuple[str, str]:
+    """Megatron names, relative to ``decoder.layers.{i}.``, of a layer's (attention-input,
+    pre-MLP) RMSNorm weights — HF's ``input_layernorm`` and ``post_attention_layernorm``."""
+    if layout == "local":
+        return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    # TE: the attention norm is fused into linear_qkv; the pre-MLP norm into linear_fc1 of a dense
+    # MLP, but stays a standalone TENorm before an MoE block (its router and experts all read it)
+    return ("self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,12 +226,26 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
     return TransformerConfig(**kwargs)
 
 
-def gpt_model_kwargs(cfg: ModelConfig, tp: int = 1) -> dict[str, Any]:
-    """GPTModel arguments besides the TransformerConfig (layer spec, vocabulary, RoPE, tying)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def gpt_model_kwargs(cfg: ModelConfig, tp: int = 1, layout: str | None = None) -> dict[str, Any]:
+    """GPTModel arguments besides the TransformerConfig (layer spec, vocabulary, RoPE, tying).
 
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts if cfg.is_moe else None,
-                                    moe_grouped_gemm=False, normalization="RMSNorm")
+    ``layout`` picks the layer spec (:data:`LAYOUTS`; None: :func:`default_layout`). Both build
+    MoE experts without grouped GEMM (see the module docstring); the TE spec takes RMSNorm from
+    the TransformerConfig's ``normalization``.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    layout = _resolve_layout(layout)
+    num_experts = cfg.num_experts if cfg.is_moe else None
+    if layout == "te":
+        if not gpt_layer_specs.HAVE_TE:
+            raise ImportError("megatron layer layout 'te' needs TransformerEngine (pip install "
+                              "transformer-engine[pytorch]); use layout='local' without it")
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
     return dict(
         transformer_layer_spec=spec, vocab_size=padded_vocab_size(cfg.vocab_size, tp),
         max_sequence_length=cfg.max_position_embeddings, pre_process=True, post_process=True,
@@ -208,7 +292,8 @@ def _fc1_shard(gate: torch.Tensor, up: torch.Tensor, tp: int, t: int) -> torch.T
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int = 1,
-                   tp_rank: int = 0, ep: int = 1, ep_rank: int = 0) -> Weights:
+                   tp_rank: int = 0, ep: int = 1, ep_rank: int = 0,
+                   layout: str | None = None) -> Weights:
     """The GPTModel parameters of TP rank ``tp_rank`` / EP rank ``ep_rank`` from HF weights.
 
     Args:
@@ -216,10 +301,12 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int 
         cfg: the architecture.
         tp, tp_rank: tensor-parallel size and this rank.
         ep, ep_rank: expert-parallel size and this rank.
+        layout: the model's layer spec (:data:`LAYOUTS`; None: :func:`default_layout`).
     Returns:
         megatron parameter name → tensor (new tensors; the input is not modified).
     """
     check_parallel_sizes(cfg, tp, ep)
+    attn_norm, mlp_norm = _norm_names(_resolve_layout(layout), cfg.is_moe)
     vp = padded_vocab_size(cfg.vocab_size, tp)
     out: Weights = {"embedding.word_embeddings.weight":
                     _chunk(_pad_rows(hf["model.embed_tokens.weight"], vp), tp, tp_rank, 0)}
@@ -227,12 +314,12 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int 
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = _qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"],
                    hf[h + "self_attn.v_proj.weight"], cfg)
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"].clone()
+        out[m + attn_norm] = hf[h + "input_layernorm.weight"].clone()
         # whole query groups per rank: the groups are contiguous row blocks
         out[m + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp, tp_rank, 0)
         out[m + "self_attention.linear_proj.weight"] = _chunk(
             hf[h + "self_attn.o_proj.weight"], tp, tp_rank, 1)
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"].clone()
+        out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"].clone()
         if cfg.is_moe:
             out[m + "mlp.router.weight"] = hf[h + "block_sparse_moe.gate.weight"].clone()
             local = cfg.num_experts // ep
@@ -259,7 +346,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int 
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
-                   cfg: ModelConfig, *, tp: int = 1, ep: int = 1) -> Weights:
+                   cfg: ModelConfig, *, tp: int = 1, ep: int = 1,
+                   layout: str | None = None) -> Weights:
     """Full HF weights from the GPTModel parameters of every (tp_rank, ep_rank).
 
     Args:
@@ -267,9 +355,12 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
             Non-expert parameters are read from ``ep_rank`` 0.
         cfg: the architecture.
         tp, ep: tensor- and expert-parallel sizes.
+        layout: the layer spec the shards come from (:data:`LAYOUTS`; None:
+            :func:`default_layout`).
     Returns:
         HF name → full fp32 CPU tensor; no ``lm_head.weight`` when the embeddings are tied.
     """
+    attn_norm, mlp_norm = _norm_names(_resolve_layout(layout), cfg.is_moe)
     missing = [(t, e) for t in range(tp) for e in range(ep) if (t, e) not in shards]
     if missing:
         raise ValueError(f"megatron_to_hf needs the parameters of every (tp_rank, ep_rank); "
@@ -296,8 +387,8 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
         hf[h + "self_attn.v_proj.weight"] = vv.contiguous()
         hf[h + "self_attn.o_proj.weight"] = torch.cat(
             dense(m + "self_attention.linear_proj.weight"), dim=1)
-        hf[h + "input_layernorm.weight"] = dense(m + "input_layernorm.weight")[0].clone()
-        hf[h + "post_attention_layernorm.weight"] = dense(m + "pre_mlp_layernorm.weight")[0].clone()
+        hf[h + "input_layernorm.weight"] = dense(m + attn_norm)[0].clone()
+        hf[h + "post_attention_layernorm.weight"] = dense(m + mlp_norm)[0].clone()
         if cfg.is_moe:
             hf[h + "block_sparse_moe.gate.weight"] = dense(m + "mlp.router.weight")[0].clone()
             local = cfg.num_experts // ep

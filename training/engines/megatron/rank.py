@@ -8,8 +8,9 @@ method that communicates is therefore entered by all ranks in the same order.
 How it departs from the embedded engine (:mod:`training.engines.embedded.trainer`, whose
 semantics it follows: versions, snapshots, R2 route cache, skipped non-finite steps):
 
-* **Model.** megatron-core's GPTModel (local layer spec, no TransformerEngine), fp32, wrapped in
-  megatron's DistributedDataParallel; weights converted from / to HF by
+* **Model.** megatron-core's GPTModel, fp32 — TransformerEngine's layer spec where TE and a GPU
+  exist, else the local spec (``convert.default_layout``; checkpoints record it and refuse the
+  other) — wrapped in megatron's DistributedDataParallel; weights converted from / to HF by
   :mod:`training.engines.megatron.convert`. The logits are gathered over tensor-parallel ranks
   and padded vocabulary rows dropped, then the log-prob/entropy maths and the whole loss path are
   :mod:`training.engines.objective` — the embedded engine's code.
@@ -82,6 +83,7 @@ from training.engines.hf_io import (
 )
 from training.engines.megatron.compat import cpu_device_mode, install_cpu_shims, on_cpu
 from training.engines.megatron.convert import (
+    default_layout,
     gpt_model_kwargs,
     hf_to_megatron,
     megatron_to_hf,
@@ -217,6 +219,9 @@ class MegatronRank(RetainedState, RouteReplay):
         self._shadow_version: int | None = None
         self._cpu_group: Any = None
         self._pusher: Any = None  # rank 0: TrainerNcclPusher of weight_sync nccl
+        # the layer spec (convert.LAYOUTS): TransformerEngine's where TE and a GPU exist, else
+        # the local one; _init_parallel_state makes every rank take rank 0's
+        self.layout = default_layout()
 
     # --- process group ------------------------------------------------------------------------
     def master_address(self) -> tuple[str, int]:
@@ -265,6 +270,10 @@ class MegatronRank(RetainedState, RouteReplay):
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         p = self.parallel
+        layouts: list[str] = [self.layout]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(layouts, src=0)
+        self.layout = layouts[0]
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_parallel,
             pipeline_model_parallel_size=p.pipeline_parallel,
@@ -322,7 +331,8 @@ class MegatronRank(RetainedState, RouteReplay):
                                 ep=p.expert_parallel, on_cpu=on_cpu())
         # the random init (overwritten right after) must not consume the caller's RNG streams
         with cpu_device_mode(), torch.random.fork_rng(devices=[]):
-            model = GPTModel(config=tf, **gpt_model_kwargs(cfg, self.parallel.tensor_parallel))
+            model = GPTModel(config=tf, **gpt_model_kwargs(cfg, self.parallel.tensor_parallel,
+                                                           layout=self.layout))
         # this engine drives each router's RouterReplay itself; drop them from megatron's
         # process-global list so models built in one process never share replay state
         mine = {id(r) for r in _router_replays(model)}
@@ -338,6 +348,11 @@ class MegatronRank(RetainedState, RouteReplay):
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if cfg.is_moe and self.parallel.tensor_parallel > 1:
+            raise ValueError(f"engines.megatron.tensor_parallel={self.parallel.tensor_parallel} "
+                             "with an MoE model: megatron trains MoE layers under TP only with "
+                             "sequence parallelism, which asyncrl does not run; split the "
+                             "experts with expert_parallel (and data_parallel) instead")
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's "
                              f"vocab_size is {cfg.vocab_size}")
@@ -406,6 +421,7 @@ class MegatronRank(RetainedState, RouteReplay):
         tp, ep, _ = self._coords()
         try:
             local = hf_to_megatron(hf, cfg, tp=self.parallel.tensor_parallel, tp_rank=tp,
+                                   layout=self.layout,
                                    ep=self.parallel.expert_parallel, ep_rank=ep)
         except KeyError as e:
             raise CheckpointError(f"{directory} lacks weight {e} the model needs; check "
@@ -696,7 +712,8 @@ class MegatronRank(RetainedState, RouteReplay):
         shards: dict[tuple[int, int], Weights] = {}
         for t, e, _, w in gathered:  # one copy of each (TP, EP) shard (DP ranks hold equal ones)
             shards.setdefault((t, e), w)
-        return megatron_to_hf(shards, self.config(), tp=self.parallel.tensor_parallel,
+        return megatron_to_hf(shards, self.config(), layout=self.layout,
+                              tp=self.parallel.tensor_parallel,
                               ep=self.parallel.expert_parallel)
 
     def _weights_of(self, version: int | None) -> tuple[int, Weights]:
@@ -820,6 +837,7 @@ class MegatronRank(RetainedState, RouteReplay):
                     "weight_version": self._version,
                     "optim_config": _optim_config_state(self.optim),
                     "parallel": self.parallel.sizes(),
+                    "layout": self.layout,
                     "distributed_optimizer": self.parallel.distributed_optimizer,
                     "world_size": self.parallel.world_size,
                     "snapshot_versions": [v for v, _ in snaps],
@@ -905,6 +923,13 @@ class MegatronRank(RetainedState, RouteReplay):
                                   f"this engine runs {self.parallel.sizes()} "
                                   f"(distributed_optimizer={self.parallel.distributed_optimizer})"
                                   "; resume with the same engines.megatron sizes")
+        written = state.get("layout", "local")  # checkpoints before the TE spec: local
+        if written != self.layout:
+            raise CheckpointError(f"checkpoint {d} holds megatron weights of the {written!r} layer "
+                                  f"spec, this machine builds the {self.layout!r} one (Transformer"
+                                  "Engine present or not); warm start from its HF weights "
+                                  "instead: the checkpoint directory is also an HF model "
+                                  "directory")
         optim = _optim_from_state(state, d)
         rank_dir = d / RANKS_DIR / f"rank{self.rank}"
         try:

@@ -81,6 +81,10 @@ def _corrupt(kind, src, dst):
         state = torch.load(dst / TRAINER_STATE_FILE, weights_only=True)
         state["parallel"] = {**state["parallel"], "tensor_parallel": 2}
         torch.save(state, dst / TRAINER_STATE_FILE)
+    elif kind == "other_layer_spec":  # written where TransformerEngine ran
+        state = torch.load(dst / TRAINER_STATE_FILE, weights_only=True)
+        assert state["layout"] == "local"
+        torch.save({**state, "layout": "te"}, dst / TRAINER_STATE_FILE)
     elif kind == "other_architecture":
         cfg = json.loads((dst / "config.json").read_text())
         cfg["num_hidden_layers"] = 3
@@ -94,6 +98,8 @@ def _corrupt(kind, src, dst):
     ("no_megatron_dir", "no dist_checkpointing metadata"),
     ("truncated_shards", "corrupt or incomplete"),
     ("other_layout", "resume with the same engines.megatron sizes"),
+    ("other_layer_spec", "holds megatron weights of the 'te' layer spec, this machine builds "
+                         "the 'local' one"),
     ("other_architecture", "different architecture"),
 ])
 def test_load_refuses_a_bad_checkpoint_and_leaves_the_engine_unchanged(mg, tmp_path, kind,

@@ -58,8 +58,10 @@ def test_round_trip_tp1_is_exact(mg, experts, tie):
 def test_tp2_split_and_merge_is_exact_with_vocab_padding(mg, experts):
     cfg, hf = _hf(mg, experts, vocab=101)  # odd vocabulary: padded to 102 over 2 ranks
     assert padded_vocab_size(101, 2) == 102
-    shards = {(t, 0): hf_to_megatron(hf, cfg, tp=2, tp_rank=t) for t in range(2)}
-    full = hf_to_megatron(hf, cfg)
+    # the local layout's norm names (the TE layout: test_convert_te.py)
+    shards = {(t, 0): hf_to_megatron(hf, cfg, tp=2, tp_rank=t, layout="local")
+              for t in range(2)}
+    full = hf_to_megatron(hf, cfg, layout="local")
     for name, t in full.items():
         a, b = shards[(0, 0)][name], shards[(1, 0)][name]
         if name.endswith(("layernorm.weight", "router.weight")):
@@ -77,7 +79,7 @@ def test_tp2_split_and_merge_is_exact_with_vocab_padding(mg, experts):
     key = ("decoder.layers.0.mlp.linear_fc1.weight" if not experts
            else "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
     assert torch.equal(shards[(1, 0)][key][: g.shape[0] // 2], g[g.shape[0] // 2:])
-    _assert_same(megatron_to_hf(shards, cfg, tp=2), hf)
+    _assert_same(megatron_to_hf(shards, cfg, tp=2, layout="local"), hf)
 
 
 def test_tp2_ep2_split_and_merge_is_exact(mg):
