@@ -147,7 +147,9 @@ class MegatronConfig(_Strict):
     CPU with gloo."""
 
     tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel size (TP).")
-    pipeline_parallel: int = Field(1, ge=1, le=64, description="Pipeline-parallel size (PP).")
+    pipeline_parallel: int = Field(1, ge=1, le=64, description=(
+        "Pipeline-parallel size (PP): the layers split into this many equal stages; must divide "
+        "the layer count."))
     expert_parallel: int = Field(1, ge=1, le=64, description=(
         "Expert-parallel size (EP, MoE only): the experts are split over this many "
         "data-parallel ranks; must divide data_parallel and the expert count."))
@@ -606,6 +608,11 @@ class Recipe(_Strict):
                 raise ValueError(
                     f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
                     f"model.moe_experts={self.model.moe_experts}")
+        if e.train == "megatron" and isinstance(self.model, WarmStartModel) \
+                and self.model.num_layers % m.pipeline_parallel:
+            raise ValueError(f"engines.megatron.pipeline_parallel={m.pipeline_parallel} must "
+                             f"divide model.num_layers={self.model.num_layers} (every stage "
+                             "holds the same number of layers)")
         if e.train == "megatron" and moe and m.tensor_parallel > 1:
             raise ValueError(f"engines.megatron.tensor_parallel={m.tensor_parallel} with an MoE "
                              "model: megatron trains MoE layers under TP only with sequence "

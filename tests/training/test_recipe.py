@@ -254,6 +254,8 @@ def test_every_field_has_a_description():
     ({"engines": {"train": "megatron", "megatron": {"expert_parallel": 2}},
       "model": {"kind": "warmstart", "moe_experts": 4}},
      "must divide data_parallel=1 (experts are split over the data-parallel ranks)"),
+    ({"engines": {"train": "megatron", "megatron": {"pipeline_parallel": 3}}},
+     "pipeline_parallel=3 must divide model.num_layers=4"),
     ({"engines": {"train": "megatron", "megatron": {"tensor_parallel": 2}},
       "model": {"kind": "warmstart", "moe_experts": 4}},
      "tensor_parallel=2 with an MoE model"),

@@ -50,7 +50,10 @@ layer), row-parallel weights along dim 1 (``linear_proj``, ``linear_fc2``); norm
 replicated. Expert parallelism (EP ranks) gives rank r the experts r·E/EP … (r+1)·E/EP − 1 as
 local experts 0 … E/EP − 1; each expert is sharded over TP like a dense MLP (megatron's default
 expert-tensor-parallel size = TP). The vocabulary is padded with zero rows to a multiple of T
-(Vp); engines drop the padded logits, so they never change a distribution.
+(Vp); engines drop the padded logits, so they never change a distribution. Pipeline stages
+(:func:`to_stage` / :func:`from_stages`) take an equal share of the layers, renumbered from 0 as
+megatron names a stage's modules; the first stage keeps the embedding, the last the final norm and
+the output layer (with tied embeddings a copy of the word embeddings).
 
 Config: :func:`transformer_config` maps :class:`~training.engines.model.ModelConfig` to a
 ``TransformerConfig`` — RMSNorm with our epsilon, SwiGLU (``gated_linear_unit`` + SiLU), no
@@ -78,10 +81,13 @@ __all__ = [
     "LAYOUTS",
     "check_parallel_sizes",
     "default_layout",
+    "from_stages",
     "gpt_model_kwargs",
     "hf_to_megatron",
     "megatron_to_hf",
     "padded_vocab_size",
+    "stage_layers",
+    "to_stage",
     "transformer_config",
 ]
 
@@ -145,10 +151,16 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def check_parallel_sizes(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> None:
-    """ValueError naming the fix unless ``cfg`` can be split over ``tp`` TP and ``ep`` EP ranks."""
-    if tp < 1 or ep < 1:
-        raise ValueError(f"tensor_parallel={tp} and expert_parallel={ep} must be >= 1")
+def check_parallel_sizes(cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
+    """ValueError naming the fix unless ``cfg`` can be split over ``tp`` TP, ``ep`` EP and ``pp``
+    pipeline ranks."""
+    if tp < 1 or ep < 1 or pp < 1:
+        raise ValueError(f"tensor_parallel={tp}, expert_parallel={ep} and pipeline_parallel={pp} "
+                         "must be >= 1")
+    if cfg.num_layers % pp:
+        raise ValueError(f"engines.megatron.pipeline_parallel={pp} must divide num_layers="
+                         f"{cfg.num_layers} (every stage holds the same number of layers); pick "
+                         "a divisor of the layer count")
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_heads={cfg.num_heads}")
@@ -186,7 +198,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_parallel_sizes(cfg, tp, ep)
+    check_parallel_sizes(cfg, tp, ep, pp)
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads,
@@ -197,6 +209,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         hidden_dropout=0.0, attention_dropout=0.0,
         attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32 if pp > 1 else None,
         expert_model_parallel_size=ep,
         params_dtype=torch.float32, fp16=False, bf16=False,
         use_cpu_initialization=on_cpu,
@@ -337,6 +350,73 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, tp: int 
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = _chunk(_pad_rows(hf["lm_head.weight"], vp), tp, tp_rank, 0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline stages
+# ------------------------------------------------------------------------------------------------
+
+
+def stage_layers(cfg: ModelConfig, pp: int, pp_rank: int) -> range:
+    """The (global) decoder layers pipeline stage ``pp_rank`` of ``pp`` holds: an equal share."""
+    check_parallel_sizes(cfg, pp=pp)
+    n = cfg.num_layers // pp
+    return range(pp_rank * n, (pp_rank + 1) * n)
+
+
+def _layer_of(name: str) -> tuple[int, str] | None:
+    """(layer, rest) of ``decoder.layers.{layer}.{rest}``; None for other names."""
+    if not name.startswith("decoder.layers."):
+        return None
+    layer, rest = name[len("decoder.layers."):].split(".", 1)
+    return int(layer), rest
+
+
+def to_stage(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, *, pp: int,
+             pp_rank: int) -> Weights:
+    """The parameters pipeline stage ``pp_rank`` holds, from a whole model's megatron
+    parameters (:func:`hf_to_megatron`'s output, possibly a TP / EP shard).
+
+    A stage numbers its layers from 0 (megatron's module names are stage-local); the first stage
+    holds the embedding, the last the final norm and ``output_layer`` — with tied embeddings (and
+    ``pp`` > 1) the last stage's ``output_layer.weight`` is its copy of the word embeddings, which
+    megatron keeps equal to the first stage's by summing their gradients.
+    """
+    layers = stage_layers(cfg, pp, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out: Weights = {}
+    for name, t in weights.items():
+        at = _layer_of(name)
+        if at is not None:
+            if at[0] in layers:
+                out[f"decoder.layers.{at[0] - layers.start}.{at[1]}"] = t
+        elif name == "embedding.word_embeddings.weight":
+            if first:
+                out[name] = t
+            if last and not first and cfg.tie_word_embeddings:
+                out["output_layer.weight"] = t.clone()
+        elif last:  # decoder.final_layernorm.weight, output_layer.weight
+            out[name] = t
+    return out
+
+
+def from_stages(stages: Mapping[int, Mapping[str, torch.Tensor]], cfg: ModelConfig, *,
+                pp: int) -> Weights:
+    """The whole model's megatron parameters from every pipeline stage's (:func:`to_stage`
+    inverted; a tied last stage's embedding copy is dropped)."""
+    missing = [r for r in range(pp) if r not in stages]
+    if missing:
+        raise ValueError(f"from_stages needs every pipeline stage; missing {missing}")
+    out: Weights = {}
+    for r in range(pp):
+        offset = stage_layers(cfg, pp, r).start
+        for name, t in stages[r].items():
+            at = _layer_of(name)
+            if at is not None:
+                out[f"decoder.layers.{at[0] + offset}.{at[1]}"] = t
+            elif not (name == "output_layer.weight" and cfg.tie_word_embeddings):
+                out[name] = t
     return out
 
 

@@ -38,9 +38,16 @@ semantics it follows: versions, snapshots, R2 route cache, skipped non-finite st
   time: micro-batches are shared out in :class:`Rounds` and padded to the round's largest; a rank
   without a micro-batch in the last round runs a dummy with zero loss.
 
-Limits: pipeline_parallel must be 1; MoE with tensor_parallel > 1 is refused (megatron trains it
-only with sequence parallelism, which this engine does not run: use expert_parallel);
-checkpoints written with different parallel sizes are refused.
+* **Pipeline parallelism.** Stage s holds layers s·L/PP … (s+1)·L/PP − 1 (the first stage the
+  embedding, the last the final norm and output layer; ``convert.to_stage``). Each forward is
+  passed stage to stage with point-to-point sends and the last stage broadcasts the log-probs, so
+  the objective code runs unchanged on every stage; backward returns the activation gradients the
+  same way (:class:`_PipeGrad`). Micro-batches go through the pipeline one at a time (GPipe
+  without overlap: simple and exact; megatron's 1F1B schedule would overlap stages).
+
+Limits: MoE with tensor_parallel > 1 is refused (megatron trains it only with sequence
+parallelism, which this engine does not run: use expert_parallel); checkpoints written with
+different parallel sizes are refused.
 """
 
 from __future__ import annotations
@@ -84,9 +91,12 @@ from training.engines.hf_io import (
 from training.engines.megatron.compat import cpu_device_mode, install_cpu_shims, on_cpu
 from training.engines.megatron.convert import (
     default_layout,
+    from_stages,
     gpt_model_kwargs,
     hf_to_megatron,
     megatron_to_hf,
+    stage_layers,
+    to_stage,
     transformer_config,
 )
 from training.engines.model import CausalLM, ModelConfig
@@ -137,10 +147,6 @@ class Parallelism:
         if min(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
                self.data_parallel) < 1:
             raise ValueError("every parallel size must be >= 1")
-        if self.pipeline_parallel != 1:
-            raise ValueError(f"engines.megatron.pipeline_parallel={self.pipeline_parallel}: the "
-                             "asyncrl megatron engine does not run pipeline stages yet; set "
-                             "pipeline_parallel: 1 and use tensor_parallel / data_parallel")
         if self.data_parallel % self.expert_parallel:
             # megatron's expert layout: expert-TP (= TP) × EP × expert-DP × PP = world, so the
             # experts are split over the data-parallel ranks
@@ -163,6 +169,47 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """This rank's place in its pipeline (PP > 1): stage ``stage`` of ``size``; global ranks of
+    the previous / next / last stage; the pipeline's process group."""
+
+    size: int
+    stage: int
+    group: Any
+    prev: int
+    next: int
+    last_rank: int
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.size - 1
+
+
+class _PipeGrad(torch.autograd.Function):
+    """On a stage before the last: the response log-probs / entropy (values broadcast by the last
+    stage) as functions of this stage's output. Backward receives the gradient of that output from
+    the next stage — whatever loss the caller took of the log-probs, the next stage backwarded the
+    same loss — and autograd carries it on through this stage's layers."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, next_rank: int, lp: torch.Tensor,
+                ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.next_rank, ctx.shape, ctx.dtype, ctx.device = next_rank, out.shape, out.dtype, \
+            out.device
+        return lp.clone(), ent.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> tuple[Any, ...]:
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        dist.recv(grad, src=ctx.next_rank)
+        return grad, None, None, None
 
 
 @dataclass(frozen=True)
@@ -218,6 +265,7 @@ class MegatronRank(RetainedState, RouteReplay):
         self._shadow: Any = None
         self._shadow_version: int | None = None
         self._cpu_group: Any = None
+        self._pipe: Pipe | None = None  # set in _init_parallel_state when PP > 1
         self._pusher: Any = None  # rank 0: TrainerNcclPusher of weight_sync nccl
         # the layer spec (convert.LAYOUTS): TransformerEngine's where TE and a GPU exist, else
         # the local one; _init_parallel_state makes every rank take rank 0's
@@ -279,6 +327,13 @@ class MegatronRank(RetainedState, RouteReplay):
             pipeline_model_parallel_size=p.pipeline_parallel,
             expert_model_parallel_size=p.expert_parallel)
         model_parallel_cuda_manual_seed(self.seed)
+        if p.pipeline_parallel > 1:
+            self._pipe = Pipe(
+                size=p.pipeline_parallel, stage=parallel_state.get_pipeline_model_parallel_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+                prev=parallel_state.get_pipeline_model_parallel_prev_rank(),
+                next=parallel_state.get_pipeline_model_parallel_next_rank(),
+                last_rank=parallel_state.get_pipeline_model_parallel_last_rank())
         # object collectives (metrics, routes, checkpoint names) go over gloo on every machine
         self._cpu_group = dist.new_group(backend="gloo")
 
@@ -288,11 +343,12 @@ class MegatronRank(RetainedState, RouteReplay):
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _coords(self) -> tuple[int, int, int]:
+    def _coords(self) -> tuple[int, int, int, int]:
+        """(TP, EP, DP, PP) rank."""
         from megatron.core import parallel_state as ps
 
         return (ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
-                ps.get_data_parallel_rank())
+                ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank())
 
     def _dp(self) -> tuple[int, int, Any]:
         from megatron.core import parallel_state as ps
@@ -331,8 +387,10 @@ class MegatronRank(RetainedState, RouteReplay):
                                 ep=p.expert_parallel, on_cpu=on_cpu())
         # the random init (overwritten right after) must not consume the caller's RNG streams
         with cpu_device_mode(), torch.random.fork_rng(devices=[]):
-            model = GPTModel(config=tf, **gpt_model_kwargs(cfg, self.parallel.tensor_parallel,
-                                                           layout=self.layout))
+            kwargs = gpt_model_kwargs(cfg, self.parallel.tensor_parallel, layout=self.layout)
+            if self._pipe is not None:  # a stage: its share of the layers (convert.to_stage)
+                kwargs.update(pre_process=self._pipe.first, post_process=self._pipe.last)
+            model = GPTModel(config=tf, **kwargs)
         # this engine drives each router's RouterReplay itself; drop them from megatron's
         # process-global list so models built in one process never share replay state
         mine = {id(r) for r in _router_replays(model)}
@@ -418,11 +476,12 @@ class MegatronRank(RetainedState, RouteReplay):
         assert loaded is not None
         cfg, hf, meta, tokenizer = loaded
         self._setup(cfg, tokenizer, optim, snapshot_budget_bytes, route_cache_sequences)
-        tp, ep, _ = self._coords()
+        tp, ep, _, pp = self._coords()
         try:
-            local = hf_to_megatron(hf, cfg, tp=self.parallel.tensor_parallel, tp_rank=tp,
-                                   layout=self.layout,
-                                   ep=self.parallel.expert_parallel, ep_rank=ep)
+            local = to_stage(hf_to_megatron(hf, cfg, tp=self.parallel.tensor_parallel, tp_rank=tp,
+                                            layout=self.layout,
+                                            ep=self.parallel.expert_parallel, ep_rank=ep),
+                             cfg, pp=self.parallel.pipeline_parallel, pp_rank=pp)
         except KeyError as e:
             raise CheckpointError(f"{directory} lacks weight {e} the model needs; check "
                                   "config.json") from None
@@ -489,6 +548,15 @@ class MegatronRank(RetainedState, RouteReplay):
         ``pad_to=(rows, width)`` forwards a larger input: extra rows and columns are padding no
         real token attends to (their outputs are dropped). Expert parallelism needs it: the MoE
         token all-gather requires the same token count on every rank of the expert group.
+
+        Pipeline parallelism: every stage of the pipeline enters this call for the same batch.
+        A stage receives the previous stage's hidden states, runs its layers and sends its output
+        on; the last stage computes the log-probs and entropy and broadcasts them over the
+        pipeline, so every stage returns the same values (and the same loss follows on every
+        stage). With gradients on, a stage's returned values depend on its output through
+        :class:`_PipeGrad` and its received input sends its gradient back in backward, so the
+        caller's ``loss.backward()`` on every stage is one pipelined backward. Recorded routes
+        are all-gathered over the stages (each records its own layers).
         """
         cfg = self.config()
         dev = self.device
@@ -508,21 +576,59 @@ class MegatronRank(RetainedState, RouteReplay):
         eye = torch.eye(width, dtype=torch.bool, device=dev)[None]
         allowed = allowed | (eye & ~allowed.any(-1, keepdim=True))
         positions = torch.arange(width, device=dev)[None].expand(rows, width)
+        pipe = self._pipe
+        grad = torch.is_grad_enabled()
+        if pipe is not None and not pipe.first:
+            hidden = torch.empty(width, rows, cfg.hidden_size, dtype=torch.float32, device=dev)
+            dist.recv(hidden, src=pipe.prev)
+            if grad:
+                hidden.requires_grad_(True)
+                hidden.register_hook(lambda g: dist.send(g.contiguous(), dst=pipe.prev))
+            (self.module if model is self.ddp else model).set_input_tensor(hidden)
         routers = _router_replays(model)
         if routers:
-            _arm_routers(routers, None if replay is None
-                         else _pack_routes(batch, replay, width, cfg, rows))
+            targets = None
+            if replay is not None:
+                targets = _pack_routes(batch, replay, width, cfg, rows)
+                if pipe is not None:  # this stage's layers
+                    layers = stage_layers(cfg, pipe.size, pipe.stage)
+                    targets = targets[layers.start: layers.stop]
+            _arm_routers(routers, targets)
         try:
-            logits = model(ids, positions, ~allowed[:, None])
+            out = model(ids, positions, ~allowed[:, None])
             recorded = [r.recorded_topk_idx for r in routers] if replay is None else None
         finally:
             _disarm_routers(routers)
-        # drop the padding rows / columns and the vocabulary padding of TP
-        logits = logits[:b, :real_width, : cfg.vocab_size]
-        lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
+        if pipe is None or pipe.last:
+            # drop the padding rows / columns and the vocabulary padding of TP
+            logits = out[:b, :real_width, : cfg.vocab_size]
+            lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
+            if pipe is not None:
+                for t in (lp, entropy):
+                    if t is not None:
+                        dist.broadcast(t.detach().contiguous(), src=pipe.last_rank,
+                                       group=pipe.group)
+        else:
+            dist.send(out.detach().contiguous(), dst=pipe.next)
+            shape = (b, batch.response_len)
+            lp = torch.empty(shape, dtype=torch.float32, device=dev)
+            entropy = torch.empty(shape, dtype=torch.float32, device=dev) if with_entropy \
+                else None
+            for t in (lp, entropy):
+                if t is not None:
+                    dist.broadcast(t, src=pipe.last_rank, group=pipe.group)
+            if grad:
+                if entropy is None:
+                    raise ValueError("a pipelined forward with gradients needs with_entropy")
+                lp, entropy = _PipeGrad.apply(out, pipe.next, lp, entropy)
         per_seq = None
         if routers:
             if recorded is not None:
+                if pipe is not None:  # every stage's layers, in stage order
+                    mine = torch.stack(recorded).contiguous()
+                    every = [torch.empty_like(mine) for _ in range(pipe.size)]
+                    dist.all_gather(every, mine, group=pipe.group)
+                    recorded = [r for stage in every for r in stage]
                 # [S·B, k] per layer, sequence-major → (B, S, L, k)
                 routes = torch.stack([r.view(width, rows, -1).transpose(0, 1)[:b]
                                       for r in recorded], dim=2)
@@ -699,8 +805,7 @@ class MegatronRank(RetainedState, RouteReplay):
     def _gather_hf(self, weights: Weights) -> Weights | None:
         """Full HF weights from every rank's local ``weights`` (collective); rank 0 gets them,
         the others None."""
-        tp, ep, dp_rank = self._coords()
-        mine = (tp, ep, dp_rank, weights)
+        mine = (*self._coords(), weights)
         if dist.get_world_size() > 1:
             gathered: list[Any] = [None] * dist.get_world_size() if self.rank == 0 else []
             dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0,
@@ -709,9 +814,11 @@ class MegatronRank(RetainedState, RouteReplay):
             gathered = [mine]
         if self.rank != 0:
             return None
-        shards: dict[tuple[int, int], Weights] = {}
-        for t, e, _, w in gathered:  # one copy of each (TP, EP) shard (DP ranks hold equal ones)
-            shards.setdefault((t, e), w)
+        stages: dict[tuple[int, int], dict[int, Weights]] = {}
+        for t, e, _, pp, w in gathered:  # one copy of each shard (DP ranks hold equal ones)
+            stages.setdefault((t, e), {}).setdefault(pp, w)
+        shards = {key: from_stages(by_stage, self.config(), pp=self.parallel.pipeline_parallel)
+                  for key, by_stage in stages.items()}
         return megatron_to_hf(shards, self.config(), layout=self.layout,
                               tp=self.parallel.tensor_parallel,
                               ep=self.parallel.expert_parallel)
@@ -938,7 +1045,10 @@ class MegatronRank(RetainedState, RouteReplay):
             raise CheckpointError(f"{rank_dir / 'rng.pt'} is missing or unreadable "
                                   f"({type(e).__name__}); the checkpoint is incomplete — resume "
                                   "from an earlier one") from None
-        if list(rank_state.get("coords", [])) != list(self._coords()):
+        coords = list(rank_state.get("coords", []))
+        if len(coords) == 3:  # written before pipeline parallelism: PP rank 0
+            coords.append(0)
+        if coords != list(self._coords()):
             raise CheckpointError(f"{rank_dir} belongs to another rank layout; resume with the "
                                   "same engines.megatron sizes")
         snapshots = [(int(v), _read_weights(rank_dir / f"v{int(v)}.safetensors"))

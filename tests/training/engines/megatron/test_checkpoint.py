@@ -148,8 +148,9 @@ def test_in_process_engines_are_world_size_one():
     with pytest.raises(ValueError, match="launcher='ray'"):
         MegatronTrainEngine.from_pretrained("unused", launcher="local",
                                             settings=MegatronSettings(tensor_parallel=2))
-    with pytest.raises(ValueError, match="pipeline_parallel: 1"):
-        MegatronSettings(pipeline_parallel=2)
+    with pytest.raises(ValueError, match="launcher='ray'"):
+        MegatronTrainEngine.from_pretrained("unused", launcher="local",
+                                            settings=MegatronSettings(pipeline_parallel=2))
 
 
 def test_distributed_optimizer_trains_and_resumes_exactly(mg, tmp_path):

@@ -1,4 +1,5 @@
-"""HF ↔ megatron weight conversion (TP / EP split and merge) and the config mapping."""
+"""HF ↔ megatron weight conversion (TP / EP split and merge, pipeline stages) and the config
+mapping."""
 
 import pytest
 
@@ -10,10 +11,13 @@ from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.hf_io import state_dict_for_export
 from training.engines.megatron.convert import (
     check_parallel_sizes,
+    from_stages,
     gpt_model_kwargs,
     hf_to_megatron,
     megatron_to_hf,
     padded_vocab_size,
+    stage_layers,
+    to_stage,
     transformer_config,
 )
 
@@ -152,3 +156,30 @@ def test_megatron_router_weights_equal_mixtral_softmax_topk_renormalised():
     w = p.gather(1, forced)
     torch.testing.assert_close(probs.gather(1, forced), w / w.sum(-1, keepdim=True),
                                atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_pipeline_stages_split_and_merge_exactly(mg, tie):
+    cfg, hf = _hf(mg, experts=4, tie=tie)
+    full = hf_to_megatron(hf, cfg, layout="local")
+    first, last = (to_stage(full, cfg, pp=2, pp_rank=r) for r in range(2))
+    assert stage_layers(cfg, 2, 1) == range(1, 2)
+    # stage-local layer numbers; the embedding on the first stage, the head on the last
+    assert torch.equal(first["decoder.layers.0.self_attention.linear_qkv.weight"],
+                       full["decoder.layers.0.self_attention.linear_qkv.weight"])
+    assert torch.equal(last["decoder.layers.0.self_attention.linear_qkv.weight"],
+                       full["decoder.layers.1.self_attention.linear_qkv.weight"])
+    assert not any(k.startswith("decoder.layers.1.") for k in (*first, *last))
+    assert "embedding.word_embeddings.weight" not in last
+    assert "decoder.final_layernorm.weight" not in first and "output_layer.weight" not in first
+    # tied: the last stage's output layer is its own copy of the word embeddings
+    head = last["output_layer.weight"]
+    assert torch.equal(head, full["embedding.word_embeddings.weight"] if tie
+                       else full["output_layer.weight"])
+    assert len(first) + len(last) == len(full) + int(tie)
+    _assert_same(from_stages({0: first, 1: last}, cfg, pp=2), full)
+    assert to_stage(full, cfg, pp=1, pp_rank=0) == full
+    with pytest.raises(ValueError, match=r"missing \[1\]"):
+        from_stages({0: first}, cfg, pp=2)
+    with pytest.raises(ValueError, match="pipeline_parallel=3 must divide num_layers=2"):
+        stage_layers(cfg, 3, 0)
