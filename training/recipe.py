@@ -162,6 +162,14 @@ class MegatronConfig(_Strict):
         "FP32 optimizer."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy of the rank actors.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description=(
+        "Training precision. 'fp32' (default) matches the embedded trainer's numerics. 'bf16': "
+        "bf16 weights and activations with fp32 master weights, fp32 gradient reduction and "
+        "fp32 optimizer state (megatron's mixed-precision optimizer) — about half the GPU "
+        "memory for weights and activations and faster matmuls on GPUs, and the precision the "
+        "rollout engines run in; log-probs then differ from an fp32 trainer's by bf16 rounding. "
+        "Exported and synced HF weights stay fp32 (the bf16 values); checkpoints record the "
+        "precision and resume only with the same one."))
 
     @property
     def world_size(self) -> int:
@@ -651,18 +659,27 @@ class Recipe(_Strict):
         return recipe_hash(self)
 
 
+# engines.<section>.<key> fields added after runs were recorded: at their default they do not
+# count in the hash, so `--resume` of a run (and a campaign) from before them still matches
+_ADDED_LATER = (("megatron", "precision", "fp32"),)
+
+
 def recipe_hash(recipe: Recipe) -> str:
     """16 hex digits of sha256 over the canonical JSON of every field but name/description.
     Stable across processes and field order in the YAML; defaults count (an explicit default and
     an omitted one hash the same). The settings of a backend the recipe does not use
     (``engines.megatron`` unless ``train: megatron``, ``engines.sglang`` unless ``rollout:
-    sglang``) do not count: they change nothing about the run."""
+    sglang``) do not count: they change nothing about the run; nor do fields added later while
+    they keep their default (``_ADDED_LATER``)."""
     data = recipe.to_dict()
     data.pop("name", None)
     data.pop("description", None)
     engines = data.get("engines", {})
     if engines.get("train") != "megatron":
         engines.pop("megatron", None)
+    for section, key, default in _ADDED_LATER:  # at their default: the hash from before them
+        if engines.get(section, {}).get(key, default) == default:
+            engines.get(section, {}).pop(key, None)
     if engines.get("rollout") != "sglang":
         engines.pop("sglang", None)
     canon = json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -276,3 +276,20 @@ def test_unused_backend_settings_do_not_change_the_hash() -> None:
     used = recipe_from_dict({"engines": {"train": "megatron",
                                          "megatron": {"tensor_parallel": 4}}})
     assert used.hash() != recipe_from_dict({"engines": {"train": "megatron"}}).hash()
+    # the megatron precision likewise: it counts only when train: megatron
+    assert recipe_from_dict({"engines": {"megatron": {"precision": "bf16"}}}).hash() == plain.hash()
+    megatron = recipe_from_dict({"engines": {"train": "megatron"}})
+    bf16 = recipe_from_dict({"engines": {"train": "megatron", "megatron": {"precision": "bf16"}}})
+    assert bf16.engines.megatron.precision == "bf16" and bf16.hash() != megatron.hash()
+    assert recipe_from_dict({"engines": {"train": "megatron", "megatron": {
+        "precision": "fp32"}}}).hash() == megatron.hash()
+    # at its default the later field leaves the hash as it was before it existed (recorded with
+    # the previous asyncrl), so such runs and campaigns still resume
+    assert megatron.hash() == "7ba02de0f8bd0b82"
+
+
+def test_megatron_precision_is_fp32_or_bf16() -> None:
+    assert Recipe().engines.megatron.precision == "fp32"
+    with pytest.raises(RecipeError, match=re.escape(
+            "engines.megatron.precision: Input should be 'fp32' or 'bf16'")):
+        recipe_from_dict({"engines": {"train": "megatron", "megatron": {"precision": "fp16"}}})

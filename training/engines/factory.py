@@ -66,7 +66,7 @@ def megatron_settings(cfg: MegatronConfig) -> Any:
         tensor_parallel=cfg.tensor_parallel, pipeline_parallel=cfg.pipeline_parallel,
         expert_parallel=cfg.expert_parallel, data_parallel=cfg.data_parallel,
         gpus_per_rank=cfg.gpus_per_rank, distributed_optimizer=cfg.distributed_optimizer,
-        placement_strategy=cfg.placement_strategy)
+        placement_strategy=cfg.placement_strategy, precision=cfg.precision)
 
 
 def make_train_engine(recipe: Recipe, *, init_dir: str | Path, resume_dir: str | Path | None,

@@ -332,6 +332,7 @@ class Learner:
         self.ewma_config: EWMAConfig | None = None
         self.ewma_state: EWMAState | None = None
         self.ewma_resets = 0
+        self._ewma_on_engine = False
         if self.old_strategy == "ewma":
             self._init_ewma()
 
@@ -345,16 +346,22 @@ class Learner:
         return make_reference_engine(recipe, reference_dir)
 
     def _init_ewma(self) -> None:
-        if not (hasattr(self.engine, "model")
+        # the reference lives here (engines exposing their parameters: the embedded trainer) or
+        # on the engine's ranks, each averaging its own shard (the Megatron engine: ewma_update
+        # + compute_log_probs_ewma); the update rule is the same function either way
+        self._ewma_on_engine = hasattr(self.engine, "ewma_update") \
+            and hasattr(self.engine, "compute_log_probs_ewma")
+        if not self._ewma_on_engine and not (
+                hasattr(self.engine, "model")
                 and hasattr(self.engine, "compute_log_probs_with_weights")):
             raise ValueError("old_logprob: ewma needs an engine that exposes its parameters and "
-                             "compute_log_probs_with_weights (the embedded train engine); use "
-                             "snapshot or recompute with this backend")
+                             "compute_log_probs_with_weights, or keeps the reference itself "
+                             "(ewma_update); use snapshot or recompute with this backend")
         ewma = self.recipe.algorithm.ewma
         self.ewma_config = EWMAConfig(staleness_window=ewma_staleness_window(self.recipe),
                                       reset_interval=ewma.reset_interval,
                                       reset_mask_frac=ewma.reset_mask_frac)
-        self.ewma_state, _ = ewma_update(None, self._engine_params(), self.ewma_config)
+        self.ewma_state = self._ewma_step(None, None)
 
     def _engine_params(self) -> dict[str, torch.Tensor]:
         model = self.engine.model  # type: ignore[attr-defined]
@@ -567,12 +574,30 @@ class Learner:
                         "engines.snapshot_budget_mb)", gone, n_missing, 100 * frac)
         return old, missing, {"old/snapshot_fallback_frac": frac}
 
+    def _ewma_step(self, state: EWMAState | None, mask_frac: float | None) -> EWMAState:
+        """One EWMA update (the first initialises); counts resets."""
+        assert self.ewma_config is not None
+        if self._ewma_on_engine:
+            reset, since = self.engine.ewma_update(  # type: ignore[attr-defined]
+                self.ewma_config, mask_frac)
+            new = EWMAState({}, since)  # the reference itself stays on the engine
+        else:
+            new, reset = ewma_update(state, self._engine_params(), self.ewma_config,
+                                     mask_frac=mask_frac)
+        if state is not None:
+            self.ewma_resets += int(reset)
+        return new
+
     def _ewma_old(self, packed: _Packed) -> torch.Tensor:
         """π_old under the EWMA parameters (revised PPO-EWMA, seed 003 §5.2)."""
         assert self.ewma_state is not None
-        res = self.engine.compute_log_probs_with_weights(  # type: ignore[attr-defined]
-            packed.batch, self.ewma_state.reference, routing=self._forward_routing,
-            temperature=self.recipe.rollout.temperature, with_entropy=False)
+        kw: dict[str, Any] = dict(routing=self._forward_routing, with_entropy=False,
+                                  temperature=self.recipe.rollout.temperature)
+        if self._ewma_on_engine:
+            res = self.engine.compute_log_probs_ewma(packed.batch, **kw)  # type: ignore
+        else:
+            res = self.engine.compute_log_probs_with_weights(  # type: ignore[attr-defined]
+                packed.batch, self.ewma_state.reference, **kw)
         return res.log_probs
 
     def _update_ewma(self, correction_metrics: Mapping[str, float]) -> dict[str, float]:
@@ -581,9 +606,7 @@ class Learner:
         mask_frac = next((correction_metrics[k] for k in (
             "is/engine/mask_frac", "rollout_corr/rollout_rs_masked_fraction",
             "rollout_corr/rollout_is_oob_ratio") if k in correction_metrics), None)
-        self.ewma_state, reset = ewma_update(self.ewma_state, self._engine_params(),
-                                             self.ewma_config, mask_frac=mask_frac)
-        self.ewma_resets += int(reset)
+        self.ewma_state = self._ewma_step(self.ewma_state, mask_frac)
         return self._ewma_metrics()
 
     def _ewma_metrics(self) -> dict[str, float]:

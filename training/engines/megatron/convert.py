@@ -184,7 +184,7 @@ def check_parallel_sizes(cfg: ModelConfig, tp: int = 1, ep: int = 1, pp: int = 1
 
 def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 1,
                        routing_replay: bool = True, on_cpu: bool = False,
-                       **overrides: Any) -> Any:
+                       precision: str = "fp32", **overrides: Any) -> Any:
     """megatron ``TransformerConfig`` of ``cfg`` (see the module docstring for the mapping).
 
     Args:
@@ -193,12 +193,20 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         routing_replay: build MoE routers with megatron's RouterReplay (R2/R3 and route
             recording).
         on_cpu: initialise on the CPU (no CUDA).
+        precision: ``"fp32"``, or ``"bf16"`` (bf16 parameters and activations; the caller wraps
+            the model in megatron's ``Float16Module`` and builds a bf16 optimizer, whose master
+            weights stay fp32).
         overrides: any other TransformerConfig field.
     """
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_parallel_sizes(cfg, tp, ep, pp)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"engines.megatron.precision={precision!r}; use one of "
+                         f"{', '.join(dtypes)}")
+    dtype = dtypes[precision]
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads,
@@ -209,9 +217,9 @@ def transformer_config(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, ep: int = 
         hidden_dropout=0.0, attention_dropout=0.0,
         attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32 if pp > 1 else None,
+        pipeline_dtype=dtype if pp > 1 else None,
         expert_model_parallel_size=ep,
-        params_dtype=torch.float32, fp16=False, bf16=False,
+        params_dtype=dtype, fp16=False, bf16=precision == "bf16",
         use_cpu_initialization=on_cpu,
         # keep megatron's init although the weights are overwritten from an HF directory or a
         # checkpoint: with perform_initialization=False megatron 0.16.1 never marks its parallel

@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_ROUTE_CACHE_SEQUENCES",
     "DEFAULT_SNAPSHOT_BUDGET_BYTES",
     "LAUNCHERS",
+    "PRECISIONS",
     "MegatronSettings",
     "MegatronTrainEngine",
 ]
@@ -45,6 +46,7 @@ DEFAULT_SNAPSHOT_BUDGET_BYTES = 256 * 2**20
 DEFAULT_ROUTE_CACHE_SEQUENCES = 50_000
 LAUNCHERS = ("ray", "local")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,17 @@ class MegatronSettings:
     placement_strategy: str = "PACK"
     placement_timeout_s: float = 120.0
     """Seconds to wait for Ray to place every rank before giving up with the resources needed."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: bf16 weights and activations with fp32 master weights, gradient
+    reduction and optimizer state (megatron's mixed-precision optimizer)."""
 
     def __post_init__(self) -> None:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy={self.placement_strategy!r}; use one of "
                              f"{', '.join(PLACEMENT_STRATEGIES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"engines.megatron.precision={self.precision!r}; use one of "
+                             f"{', '.join(PRECISIONS)}")
         self.parallelism()  # validates the sizes
 
     @property
@@ -72,10 +80,12 @@ class MegatronSettings:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
 
     def parallelism(self) -> Any:
+        """The ranks' :class:`~training.engines.megatron.rank.Parallelism` (sizes, optimizer,
+        precision)."""
         from training.engines.megatron.rank import Parallelism
 
         return Parallelism(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
-                           self.data_parallel, self.distributed_optimizer)
+                           self.data_parallel, self.distributed_optimizer, self.precision)
 
 
 class _LocalRanks:
@@ -263,6 +273,21 @@ class MegatronTrainEngine:
                           micro_batch_size: int | None = None) -> LogProbResult:
         """See :meth:`training.engines.train.TrainEngine.compute_log_probs`."""
         return self._ranks.call("compute_log_probs", batch, routing=routing, version=version,
+                                temperature=temperature, with_entropy=with_entropy,
+                                r2_version=r2_version, micro_batch_size=micro_batch_size)
+
+    def ewma_update(self, config: Any, mask_frac: float | None = None) -> tuple[bool, int]:
+        """One step of the revised PPO-EWMA reference of ``old_logprob: ewma``, kept on the ranks
+        (each averages its own shard: ``MegatronRank.ewma_update``); the first call sets it to the
+        current weights. Returns (reset, updates since the last reset)."""
+        return self._ranks.call("ewma_update", config, mask_frac)
+
+    def compute_log_probs_ewma(self, batch: TokenBatch, *, routing: str = "free",
+                               temperature: float = 1.0, with_entropy: bool = False,
+                               r2_version: int | None = None,
+                               micro_batch_size: int | None = None) -> LogProbResult:
+        """Log-probs of ``batch`` under the EWMA reference (no weight version)."""
+        return self._ranks.call("compute_log_probs_ewma", batch, routing=routing,
                                 temperature=temperature, with_entropy=with_entropy,
                                 r2_version=r2_version, micro_batch_size=micro_batch_size)
 

@@ -8,9 +8,12 @@ method that communicates is therefore entered by all ranks in the same order.
 How it departs from the embedded engine (:mod:`training.engines.embedded.trainer`, whose
 semantics it follows: versions, snapshots, R2 route cache, skipped non-finite steps):
 
-* **Model.** megatron-core's GPTModel, fp32 — TransformerEngine's layer spec where TE and a GPU
-  exist, else the local spec (``convert.default_layout``; checkpoints record it and refuse the
-  other) — wrapped in megatron's DistributedDataParallel; weights converted from / to HF by
+* **Model.** megatron-core's GPTModel, fp32 — or bf16 (``Parallelism.precision``: bf16 weights and
+  activations in megatron's ``Float16Module``, fp32 master weights, gradient reduction and Adam
+  state in its mixed-precision optimizer; snapshots hold the bf16 weights, HF exports their fp32
+  values) — TransformerEngine's layer spec where TE and a GPU exist, else the local spec
+  (``convert.default_layout``; checkpoints record it and the precision, and refuse another) —
+  wrapped in megatron's DistributedDataParallel; weights converted from / to HF by
   :mod:`training.engines.megatron.convert`. The logits are gathered over tensor-parallel ranks
   and padded vocabulary rows dropped, then the log-prob/entropy maths and the whole loss path are
   :mod:`training.engines.objective` — the embedded engine's code.
@@ -24,9 +27,10 @@ semantics it follows: versions, snapshots, R2 route cache, skipped non-finite st
   passes with more than one micro-batch are shared out the same way and their results
   all-gathered; a single micro-batch runs on every rank.
 * **Optimizer.** ``get_megatron_optimizer`` (torch AdamW underneath on machines without apex /
-  TransformerEngine; the FP32 optimizer, or the DistributedOptimizer); learning rate and weight
-  decay (× megatron's per-group ``wd_mult``: no decay on 1-D weights) are set before each step
-  from the OptimConfig schedule; gradient clipping by megatron's global norm.
+  TransformerEngine; the FP32 optimizer — in bf16 Float16OptimizerWithFloat16Params — or the
+  DistributedOptimizer); learning rate and weight decay (× megatron's per-group ``wd_mult``: no
+  decay on 1-D weights) are set before each step from the OptimConfig schedule; gradient clipping
+  by megatron's global norm.
 * **Checkpoints.** ``dist_checkpointing`` (model + optimizer) in ``megatron/``, plus an HF export
   of the current weights (so the directory is also an HF model directory), ``trainer_state.pt``
   and per-rank RNG / snapshot files. Everything is read and validated, and the sharded tensors are
@@ -67,6 +71,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from training.algorithms.is_correction import EWMAConfig, EWMAState, ewma_update
 from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.embedded.trainer import (
     RetainedState,
@@ -142,8 +147,11 @@ class Parallelism:
     expert_parallel: int = 1
     data_parallel: int = 1
     distributed_optimizer: bool = False
+    precision: str = "fp32"  # or "bf16" (module docstring, Model)
 
     def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"engines.megatron.precision={self.precision!r}; use fp32 or bf16")
         if min(self.tensor_parallel, self.pipeline_parallel, self.expert_parallel,
                self.data_parallel) < 1:
             raise ValueError("every parallel size must be >= 1")
@@ -158,6 +166,11 @@ class Parallelism:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's parameter and activation dtype."""
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
     def sizes(self) -> dict[str, int]:
         return {"tensor_parallel": self.tensor_parallel,
@@ -266,6 +279,7 @@ class MegatronRank(RetainedState, RouteReplay):
         self._shadow_version: int | None = None
         self._cpu_group: Any = None
         self._pipe: Pipe | None = None  # set in _init_parallel_state when PP > 1
+        self._ewma: EWMAState | None = None  # old_logprob: ewma (this rank's shard)
         self._pusher: Any = None  # rank 0: TrainerNcclPusher of weight_sync nccl
         # the layer spec (convert.LAYOUTS): TransformerEngine's where TE and a GPU exist, else
         # the local one; _init_parallel_state makes every rank take rank 0's
@@ -384,13 +398,18 @@ class MegatronRank(RetainedState, RouteReplay):
 
         p = self.parallel
         tf = transformer_config(cfg, tp=p.tensor_parallel, pp=p.pipeline_parallel,
-                                ep=p.expert_parallel, on_cpu=on_cpu())
+                                ep=p.expert_parallel, on_cpu=on_cpu(), precision=p.precision)
         # the random init (overwritten right after) must not consume the caller's RNG streams
         with cpu_device_mode(), torch.random.fork_rng(devices=[]):
             kwargs = gpt_model_kwargs(cfg, self.parallel.tensor_parallel, layout=self.layout)
             if self._pipe is not None:  # a stage: its share of the layers (convert.to_stage)
                 kwargs.update(pre_process=self._pipe.first, post_process=self._pipe.last)
             model = GPTModel(config=tf, **kwargs)
+        if p.precision == "bf16":
+            # params_dtype does not reach every parameter (the local spec builds its RMSNorm
+            # weights fp32): cast all, as Float16Module does for the live model, so a snapshot's
+            # (unwrapped) shadow model is the same bf16 model
+            model.bfloat16()
         # this engine drives each router's RouterReplay itself; drop them from megatron's
         # process-global list so models built in one process never share replay state
         mine = {id(r) for r in _router_replays(model)}
@@ -417,19 +436,27 @@ class MegatronRank(RetainedState, RouteReplay):
         self.cfg, self.tokenizer, self.optim = cfg, tokenizer, optim
         self.module = self._build_model(cfg)
         dist_opt = self.parallel.distributed_optimizer
+        bf16 = self.parallel.precision == "bf16"
+        inner = self.module
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            # megatron's bf16 wrapper (Megatron-LM wraps before DDP alike): fp32 logits out.
+            # self.module stays the bare GPTModel: its parameter names are convert.py's
+            inner = Float16Module(self.module.config, self.module)
         with cpu_device_mode():
             self.ddp = DistributedDataParallel(
                 config=self.module.config,
                 ddp_config=DistributedDataParallelConfig(
                     grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                     use_distributed_optimizer=dist_opt),
-                module=self.module)
+                module=inner)
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(
                     optimizer="adam", lr=optim.lr, min_lr=0.0, weight_decay=optim.weight_decay,
                     adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
                     clip_grad=optim.grad_clip or 0.0, use_distributed_optimizer=dist_opt,
-                    params_dtype=torch.float32, bf16=False, fp16=False),
+                    params_dtype=self.parallel.dtype, bf16=bf16, fp16=False),
                 [self.ddp])
         self._snapshots = SnapshotStore(snapshot_budget_bytes)
         self._routes = RouteCache(route_cache_sequences)
@@ -530,12 +557,19 @@ class MegatronRank(RetainedState, RouteReplay):
         if version == self._version:
             return self.ddp
         weights = self._snapshots.get(version)
+        if self._shadow_version != version:
+            self._load_shadow(weights, f"snapshot v{version}")
+            self._shadow_version = version
+        return self._shadow
+
+    def _load_shadow(self, weights: Weights, source: str) -> Any:
+        """The second (no-grad) model, built on first use, holding ``weights`` (this rank's
+        shard); it then holds no version until :meth:`_model_at` sets one."""
         if self._shadow is None:
             self._shadow = self._build_model(self.config())
             self._shadow.requires_grad_(False)
-        if self._shadow_version != version:
-            self._copy_into(self._shadow, weights, f"snapshot v{version}")
-            self._shadow_version = version
+        self._shadow_version = None
+        self._copy_into(self._shadow, weights, source)
         return self._shadow
 
     # --- forward ------------------------------------------------------------------------------
@@ -579,7 +613,8 @@ class MegatronRank(RetainedState, RouteReplay):
         pipe = self._pipe
         grad = torch.is_grad_enabled()
         if pipe is not None and not pipe.first:
-            hidden = torch.empty(width, rows, cfg.hidden_size, dtype=torch.float32, device=dev)
+            hidden = torch.empty(width, rows, cfg.hidden_size, dtype=self.parallel.dtype,
+                                 device=dev)
             dist.recv(hidden, src=pipe.prev)
             if grad:
                 hidden.requires_grad_(True)
@@ -662,6 +697,19 @@ class MegatronRank(RetainedState, RouteReplay):
         v = self._version if version is None else int(version)
         model = self._model_at(v)
         replay = self._replay_for(batch, routing, v, r2_version)
+        result = self._log_probs_of(model, batch, replay, temperature, with_entropy,
+                                    micro_batch_size, v)
+        if result.routes and replay is None:
+            self._remember_routes(batch, v, result.routes)
+        return result
+
+    def _log_probs_of(self, model: Any, batch: TokenBatch,
+                      replay: Sequence[torch.Tensor] | None, temperature: float,
+                      with_entropy: bool, micro_batch_size: int | None,
+                      version: int | None) -> LogProbResult:
+        """One no-grad pass of ``model`` over ``batch`` (shared out over DP when it has several
+        micro-batches); the result is labelled ``version``."""
+        v = version
         model.eval()
 
         def forward(s: slice, pad_to: tuple[int, int] | None = None) -> Any:
@@ -693,9 +741,38 @@ class MegatronRank(RetainedState, RouteReplay):
                 result = micro_batch_log_probs(
                     forward, batch, micro_batch_size=micro_batch_size,
                     with_entropy=with_entropy, is_moe=self.config().is_moe, weight_version=v)
-        if result.routes and replay is None:
-            self._remember_routes(batch, v, result.routes)
         return result
+
+    # --- the EWMA reference of old_logprob: ewma ----------------------------------------------
+    def ewma_update(self, config: EWMAConfig, mask_frac: float | None = None) -> tuple[bool, int]:
+        """One revised PPO-EWMA step on this rank's shard — ``ref ← β·ref + (1−β)·θ`` or a reset
+        to θ (:func:`~training.algorithms.is_correction.ewma_update`; the first call initialises
+        ref = θ). The decision depends only on the update count and ``mask_frac``, so every rank
+        takes the same one. Returns (reset, updates since the last reset)."""
+        # blended in fp32: bf16 would round small updates away (the shadow model casts back)
+        current = {n: w.float() for n, w in self._local_weights().items()}
+        self._ewma, reset = ewma_update(self._ewma, current, config, mask_frac=mask_frac)
+        return reset, self._ewma.updates_since_reset
+
+    def compute_log_probs_ewma(self, batch: TokenBatch, *, routing: str = "free",
+                               temperature: float = 1.0, with_entropy: bool = False,
+                               r2_version: int | None = None,
+                               micro_batch_size: int | None = None) -> LogProbResult:
+        """Log-probs of ``batch`` under the EWMA reference (the embedded engine's
+        ``compute_log_probs_with_weights`` with the reference it would be given); no version,
+        routes chosen here are not remembered."""
+        _check_temperature(temperature)
+        if self._ewma is None:
+            raise ValueError("no EWMA reference yet; call ewma_update first")
+        if routing == "r2" and r2_version is None:
+            raise ValueError("routing='r2' with the EWMA weights needs r2_version (the version "
+                             "whose routes to replay): the reference is no version")
+        # routes first: recording R2 routes may load a snapshot into the shadow model
+        replay = self._replay_for(batch, routing, -1, r2_version)
+        assert isinstance(self._ewma.reference, dict)
+        model = self._load_shadow(self._ewma.reference, "the EWMA reference")
+        return self._log_probs_of(model, batch, replay, temperature, with_entropy,
+                                  micro_batch_size, None)
 
     # --- training -----------------------------------------------------------------------------
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor,
@@ -946,6 +1023,7 @@ class MegatronRank(RetainedState, RouteReplay):
                     "parallel": self.parallel.sizes(),
                     "layout": self.layout,
                     "distributed_optimizer": self.parallel.distributed_optimizer,
+                    "precision": self.parallel.precision,
                     "world_size": self.parallel.world_size,
                     "snapshot_versions": [v for v, _ in snaps],
                     "optimizer_state": with_optimizer,
@@ -1000,13 +1078,15 @@ class MegatronRank(RetainedState, RouteReplay):
         # commit
         with cpu_device_mode(), torch.no_grad():
             self.module.load_state_dict(loaded["model"], strict=True)
-            if with_optimizer:
+            if with_optimizer:  # restores the (fp32) main params too
                 self.optimizer.load_state_dict(loaded["optimizer"])
                 _adam_steps_from_param_groups(self.optimizer)
             else:
                 for inner in _inner_optimizers(self.optimizer):
                     inner.optimizer.state.clear()
-            self.optimizer.reload_model_params()
+                # main params ← model; never after a load above: in bf16 it would round the
+                # restored fp32 master weights to the model's bf16
+                self.optimizer.reload_model_params()
         self.optim = optim
         self._step, self._version = int(state["step"]), int(state["weight_version"])
         self._restore_retained(snapshots, routes)
@@ -1037,6 +1117,12 @@ class MegatronRank(RetainedState, RouteReplay):
                                   "Engine present or not); warm start from its HF weights "
                                   "instead: the checkpoint directory is also an HF model "
                                   "directory")
+        precision = state.get("precision", "fp32")  # checkpoints before bf16: fp32
+        if precision != self.parallel.precision:
+            raise CheckpointError(f"checkpoint {d} was trained in {precision}, this engine runs "
+                                  f"{self.parallel.precision}; resume with engines.megatron."
+                                  f"precision: {precision}, or warm start from its HF weights "
+                                  "(the checkpoint directory is also an HF model directory)")
         optim = _optim_from_state(state, d)
         rank_dir = d / RANKS_DIR / f"rank{self.rank}"
         try:

@@ -121,6 +121,38 @@ def test_snapshots_keep_old_versions_exact(mg):
     meg.close()
 
 
+def test_ewma_reference_matches_the_embedded_engines(mg):
+    """old_logprob: ewma — the Megatron engine averages its own weights (ref ← β·ref + (1−β)·θ)
+    where the learner averages the embedded engine's parameters: same reference log-probs, same
+    reset decisions."""
+    from training.algorithms.is_correction import EWMAConfig, ewma_update
+
+    emb, meg = mg.pair(4)
+    batch = mg.batch(routes_for=mg.cfg(4))
+    cfg = EWMAConfig(staleness_window=2.0, reset_interval=3)  # β = 0.5
+    with pytest.raises(ValueError, match="call ewma_update first"):
+        meg.compute_log_probs_ewma(batch)
+    state, _ = ewma_update(None, dict(emb.model.named_parameters()), cfg)
+    assert meg.ewma_update(cfg) == (True, 0)
+    start = meg.compute_log_probs(batch).log_probs
+    _close(meg.compute_log_probs_ewma(batch).log_probs, start)  # initialised to θ
+    for step in range(3):
+        old = emb.compute_log_probs(batch).log_probs
+        emb.train_step(batch, mg.adv(batch, seed=step), old)
+        meg.train_step(batch, mg.adv(batch, seed=step), old)
+        state, reset = ewma_update(state, dict(emb.model.named_parameters()), cfg)
+        assert meg.ewma_update(cfg) == (reset, state.updates_since_reset)
+        for routing in ("free", "r3"):
+            want = emb.compute_log_probs_with_weights(batch, state.reference, routing=routing)
+            got = meg.compute_log_probs_ewma(batch, routing=routing)
+            _close(got.log_probs, want.log_probs, atol=1e-4)
+            assert got.weight_version is None
+    assert reset and state.updates_since_reset == 0  # the third update hit reset_interval=3
+    live = meg.compute_log_probs(batch)  # the live model is not the shadow the EWMA used
+    assert live.weight_version == 3 and not torch.equal(live.log_probs, start)
+    meg.close()
+
+
 def test_r2_replays_the_trainer_routes_of_the_reference_version(mg):
     emb, meg = mg.pair(4)
     batch = mg.batch()

@@ -67,9 +67,11 @@ def test_recipe_sizes_reach_the_engine_settings():
 
     s = megatron_settings(_recipe("megatron", tensor_parallel=2, data_parallel=3,
                                   distributed_optimizer=True, placement_strategy="SPREAD",
-                                  gpus_per_rank=0.5).engines.megatron)
+                                  gpus_per_rank=0.5, precision="bf16").engines.megatron)
     assert (s.tensor_parallel, s.data_parallel, s.world_size, s.distributed_optimizer,
-            s.placement_strategy, s.gpus_per_rank) == (2, 3, 6, True, "SPREAD", 0.5)
+            s.placement_strategy, s.gpus_per_rank, s.precision) == (2, 3, 6, True, "SPREAD", 0.5,
+                                                                    "bf16")
+    assert megatron_settings(_recipe("megatron").engines.megatron).precision == "fp32"
 
 
 def test_parallel_sizes_are_checked_up_front():
