@@ -46,7 +46,10 @@ def model_dir(root: Path, experts: int) -> Path:
     return d
 
 
-def make_batch(cfg: ModelConfig, n: int = 32) -> TokenBatch:
+def make_batch(engine: EmbeddedTrainEngine, n: int = 32) -> TokenBatch:
+    """n random prompt/response pairs; for an MoE model with the experts the engine itself
+    chooses for them (the rollout routes R3 replays)."""
+    cfg = engine.config
     g = torch.Generator().manual_seed(0)
 
     def ids(lo: int, hi: int) -> list[int]:
@@ -55,16 +58,11 @@ def make_batch(cfg: ModelConfig, n: int = 32) -> TokenBatch:
 
     prompts = [[1, *ids(10, 20)] for _ in range(n)]
     responses = [[*ids(16, 32), 2] for _ in range(n)]
-    routes = None
-    if cfg.is_moe:
-        routes = []
-        for p, r in zip(prompts, responses, strict=True):
-            rows = (len(p) + len(r) - 1) * cfg.num_layers
-            picks = [torch.randperm(cfg.num_experts, generator=g)[: cfg.num_experts_per_tok]
-                     for _ in range(rows)]
-            routes.append(torch.stack(picks).view(len(p) + len(r) - 1, cfg.num_layers,
-                                                  cfg.num_experts_per_tok))
-    return TokenBatch.from_sequences(prompts, responses, routes=routes)
+    batch = TokenBatch.from_sequences(prompts, responses)
+    if not cfg.is_moe:
+        return batch
+    routes = engine.compute_log_probs(batch, with_entropy=False).routes
+    return TokenBatch.from_sequences(prompts, responses, routes=list(routes))
 
 
 def measure(engine, batch: TokenBatch, routing: str, repeats: int
@@ -107,7 +105,7 @@ def main() -> None:
         for kind, experts in (("dense", 0), ("moe", 4)):
             d = model_dir(Path(tmp), experts)
             emb = EmbeddedTrainEngine.from_pretrained(d, optim=OPTIM)
-            batch = make_batch(emb.config)
+            batch = make_batch(emb)
             routing = "r3" if experts else "free"
             t0 = time.perf_counter()
             ref, lp_ms, step_ms = measure(emb, batch, routing, repeats)
