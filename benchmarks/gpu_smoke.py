@@ -2,14 +2,15 @@
 
 One SGLang engine (``engines.rollout: sglang``, one GPU) and one Megatron rank
 (``engines.train: megatron``, one GPU) train a small HF model for 5 steps of a one-step-async
-recipe through the real runtime (Ray actors, asyncrl's router, weight sync from disk); then the
-script prints, per step, the train–rollout mismatch (SGLang's log-probs vs Megatron's recompute),
-the weight-sync time and tokens/s, and the full mismatch table of the first step (staleness 0:
-pure engine mismatch, seed 001's zero-staleness check).
+recipe through the real runtime (Ray actors, asyncrl's router, weight sync from disk or by
+NCCL); then the script prints, per step, the train–rollout mismatch (SGLang's log-probs vs
+Megatron's recompute), the weight-sync time and tokens/s, and the full mismatch table of the first
+step (staleness 0: pure engine mismatch, seed 001's zero-staleness check).
 
     python benchmarks/gpu_smoke.py                      # the embedded warm start, 5 steps
     python benchmarks/gpu_smoke.py --model /path/to/hf  # an HF Llama/Mixtral-style directory
     python benchmarks/gpu_smoke.py --ray-address auto   # on a Ray cluster's head node
+    python benchmarks/gpu_smoke.py --weight-sync nccl --precision bf16   # the GPU-only paths
 
 Needs 2 GPUs (engine + rank; Ray gives each its own), SGLang (``pip install -e ".[gpu]"``) and
 megatron-core (``.[megatron]``); without them it prints one line saying which is missing and
@@ -62,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an MoE warm start with R3 routing replay (ignored with --model)")
     p.add_argument("--mem-fraction", type=float, default=0.6,
                    help="SGLang --mem-fraction-static (default 0.6)")
+    p.add_argument("--weight-sync", choices=("disk", "nccl"), default="disk",
+                   help="engines.sglang.weight_sync: HF export + /update_weights_from_disk, or "
+                        "a broadcast from the Megatron rank (default disk)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="engines.megatron.precision of the trainer (default fp32)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster")
     p.add_argument("--out", default=None, help="run directory (default under $ASYNCRL_HOME)")
     return p.parse_args(argv)
@@ -104,11 +110,13 @@ def smoke_recipe(args: argparse.Namespace):
         "engines": {
             "rollout": "sglang", "train": "megatron", "num_rollout_engines": 1,
             "sglang": {"tp_size": 1, "mem_fraction_static": args.mem_fraction,
-                       "weight_sync": "disk", "startup_timeout_s": 900, "max_restarts": 1,
+                       "weight_sync": args.weight_sync, "startup_timeout_s": 900,
+                       "max_restarts": 1,
                        # small head dims (the warm start's 64) and a fast start: triton
                        # attention, no CUDA-graph capture
                        "extra_args": ["--attention-backend", "triton", "--disable-cuda-graph"]},
-            "megatron": {"tensor_parallel": 1, "gpus_per_rank": 1.0},
+            "megatron": {"tensor_parallel": 1, "gpus_per_rank": 1.0,
+                         "precision": args.precision},
         },
     })
 
