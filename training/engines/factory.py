@@ -44,8 +44,8 @@ def _megatron_installed() -> bool:
 
 def check_train_backend(recipe: Recipe) -> None:
     """Raise :class:`TrainBackendUnavailable` if ``recipe.engines.train`` cannot run here:
-    megatron-core missing, or ``engines.megatron`` sizes this engine does not run (pipeline
-    parallelism > 1, expert_parallel not dividing data_parallel). Cheap (imports no megatron);
+    megatron-core missing, or ``engines.megatron`` sizes this engine does not run
+    (expert_parallel not dividing data_parallel). Cheap (imports no megatron);
     call it before starting anything."""
     if recipe.engines.train != "megatron":
         return

@@ -109,12 +109,17 @@ def _nbytes(weights: Weights) -> int:
 
 
 class SnapshotStore:
-    """CPU copies of recent weight versions within ``budget_bytes``; oldest evicted first."""
+    """CPU copies of recent weight versions within ``budget_bytes``; oldest evicted first.
 
-    def __init__(self, budget_bytes: int) -> None:
+    ``unit_bytes``: count every snapshot as this many bytes instead of its own size (the Megatron
+    ranks pass their largest shard's size, so ranks with smaller shards retain the same
+    versions)."""
+
+    def __init__(self, budget_bytes: int, unit_bytes: int | None = None) -> None:
         if budget_bytes < 0:
             raise ValueError("snapshot budget must be >= 0 bytes (0 disables snapshots)")
         self.budget_bytes = int(budget_bytes)
+        self.unit_bytes = unit_bytes
         self._snaps: OrderedDict[int, Weights] = OrderedDict()
         self._last_size = 0
 
@@ -122,7 +127,7 @@ class SnapshotStore:
         """Retain ``weights`` (already CPU copies) as ``version``, then evict down to the budget."""
         self._snaps.pop(version, None)
         self._snaps[version] = weights
-        self._last_size = _nbytes(weights)
+        self._last_size = self.unit_bytes or _nbytes(weights)
         while self._snaps and self.nbytes > self.budget_bytes:
             self._snaps.popitem(last=False)
 
@@ -152,6 +157,8 @@ class SnapshotStore:
 
     @property
     def nbytes(self) -> int:
+        if self.unit_bytes:
+            return self.unit_bytes * len(self._snaps)
         return sum(_nbytes(w) for w in self._snaps.values())
 
     def drop(self, versions: Sequence[int]) -> None:
@@ -415,8 +422,10 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
             return self._log_probs_per_token_version(batch, version, routing, temperature,
                                                      with_entropy, r2_version, micro_batch_size)
         v = self._version if version is None else int(version)
-        model = self._model_at(v)
+        # routes first: recording R2 routes of another version may load its snapshot into the
+        # shadow model that version v's snapshot is then loaded into
         replay = self._replay_for(batch, routing, v, r2_version)
+        model = self._model_at(v)
         with torch.no_grad():
             result = micro_batch_log_probs(
                 lambda s: self._forward(model, batch.select(s),

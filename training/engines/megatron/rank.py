@@ -119,6 +119,7 @@ from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
     LogProbResult,
     OptimConfig,
+    SnapshotUnavailableError,
     TokenBatch,
     lr_multiplier,
     micro_batch_slices,
@@ -458,7 +459,13 @@ class MegatronRank(RetainedState, RouteReplay):
                     clip_grad=optim.grad_clip or 0.0, use_distributed_optimizer=dist_opt,
                     params_dtype=self.parallel.dtype, bf16=bf16, fp16=False),
                 [self.ddp])
-        self._snapshots = SnapshotStore(snapshot_budget_bytes)
+        # every rank must retain the same versions (a forward of an old version is collective),
+        # but pipeline stages hold shards of different sizes: all count the largest one
+        unit = torch.tensor([sum(p.numel() * p.element_size()
+                                 for p in self.module.parameters())], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(unit, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        self._snapshots = SnapshotStore(snapshot_budget_bytes, unit_bytes=int(unit))
         self._routes = RouteCache(route_cache_sequences)
 
     def _local_weights(self) -> Weights:
@@ -524,7 +531,17 @@ class MegatronRank(RetainedState, RouteReplay):
             d = _check_trainer_dir(directory)
             cfg = read_model_config(d)
             tokenizer = CharTokenizer.load(d)
-            optim = _optim_from_state(_read_trainer_state(d), d)
+            state = _read_trainer_state(d)
+            optim = _optim_from_state(state, d)
+            # build the layer spec the checkpoint was written with (before the TE spec: local);
+            # the local spec runs everywhere, the TE one only where TE and a GPU exist
+            layout = state.get("layout", "local")
+            if layout == "te" and default_layout() != "te":
+                raise CheckpointError(f"checkpoint {d} holds megatron weights of "
+                                      "TransformerEngine's layer spec, which needs TE and a GPU; "
+                                      "resume it there, or warm start from its HF weights (the "
+                                      "checkpoint directory is also an HF model directory)")
+            self.layout = layout
         except CheckpointError as e:
             err = str(e)
         except (FileNotFoundError, OSError, ValueError) as e:
@@ -556,7 +573,7 @@ class MegatronRank(RetainedState, RouteReplay):
                              f"{self._version})")
         if version == self._version:
             return self.ddp
-        weights = self._snapshots.get(version)
+        weights = self._snapshot(version)
         if self._shadow_version != version:
             self._load_shadow(weights, f"snapshot v{version}")
             self._shadow_version = version
@@ -695,8 +712,10 @@ class MegatronRank(RetainedState, RouteReplay):
                 with_entropy=with_entropy, r2_version=r2_version,
                 micro_batch_size=micro_batch_size)
         v = self._version if version is None else int(version)
-        model = self._model_at(v)
+        # routes first: recording R2 routes of another version may load its snapshot into the
+        # shadow model that version v's snapshot is then loaded into
         replay = self._replay_for(batch, routing, v, r2_version)
+        model = self._model_at(v)
         result = self._log_probs_of(model, batch, replay, temperature, with_entropy,
                                     micro_batch_size, v)
         if result.routes and replay is None:
@@ -904,7 +923,19 @@ class MegatronRank(RetainedState, RouteReplay):
         v = self._version if version is None else int(version)
         if v > self._version:
             raise ValueError(f"weight version {v} does not exist yet (current {self._version})")
-        return v, (self._local_weights() if v == self._version else self._snapshots.get(v))
+        return v, (self._local_weights() if v == self._version else self._snapshot(v))
+
+    def _snapshot(self, version: int) -> Weights:
+        """This rank's snapshot of ``version``; SnapshotUnavailableError on every rank if any
+        rank lacks it (collective: no rank may start a forward the others skip)."""
+        err, weights = None, None
+        try:
+            weights = self._snapshots.get(version)
+        except SnapshotUnavailableError as e:
+            err = str(e)
+        self._agree(err, SnapshotUnavailableError)
+        assert weights is not None
+        return weights
 
     def hf_state_dict(self, version: int | None = None) -> Weights | None:
         """HF-named full (TP-merged) fp32 CPU weights of the current (or a retained) version on

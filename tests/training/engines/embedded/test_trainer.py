@@ -302,6 +302,24 @@ def test_r2_records_missing_routes_under_the_retained_snapshot():
     assert eng2._routes.get(0, sequence_key(unseen, 0)) is not None
 
 
+def test_old_version_with_r2_routes_of_another_version_uses_the_right_weights():
+    """version=0 with R2 routes of version 1 whose routes are not cached: recording them loads
+    snapshot 1 into the shadow model, which must not be the weights the pass then uses."""
+    eng, batch = _engine(4, optim=OptimConfig(lr=5e-2, grad_clip=None)), _batch()
+    old = eng.compute_log_probs(batch)
+    for _ in range(2):
+        eng.train_step(batch, _adv(batch), old.log_probs)
+    eng._routes.clear()
+    routes_v1 = eng.compute_log_probs(batch, version=1).routes
+    eng._routes.clear()  # so the R2 pass records them again under snapshot 1
+    got = eng.compute_log_probs(batch, version=0, routing="r2", r2_version=1)
+    r3_batch = TokenBatch(batch.input_ids, batch.attention_mask, batch.prompt_lens,
+                          batch.response_lens, batch.response_mask, routes_v1)
+    want = eng.compute_log_probs(r3_batch, version=0, routing="r3")
+    torch.testing.assert_close(got.log_probs, want.log_probs, atol=0, rtol=0)
+    assert got.weight_version == 0
+
+
 def test_routing_errors_name_the_fix():
     with pytest.raises(ValueError, match="dense; use routing='free'"):
         _engine().compute_log_probs(_batch(), routing="r3")
@@ -380,3 +398,17 @@ def test_tied_embeddings_and_shadow_model():
     eng.train_step(batch, _adv(batch), before)
     assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
     assert torch.equal(eng.compute_log_probs(batch, version=0).log_probs, before)
+
+
+def test_snapshot_store_counts_a_fixed_unit_when_given():
+    from training.engines.embedded.trainer import SnapshotStore
+
+    small = {"w": torch.zeros(10)}  # 40 bytes
+    own, unit = SnapshotStore(100), SnapshotStore(100, unit_bytes=60)
+    for v in range(3):
+        own.put(v, small)
+        unit.put(v, small)
+    assert own.versions() == [1, 2] and own.nbytes == 80  # two of its own 40 bytes fit
+    assert unit.versions() == [2] and unit.nbytes == 60  # counted as 60 each: one fits
+    with pytest.raises(SnapshotUnavailableError, match="holds 1 snapshot\\(s\\) of 60 bytes"):
+        unit.get(1)

@@ -119,6 +119,27 @@ def test_load_refuses_a_bad_checkpoint_and_leaves_the_engine_unchanged(mg, tmp_p
     meg.close()
 
 
+def test_from_checkpoint_builds_the_layer_spec_it_was_written_with(mg, tmp_path):
+    """A checkpoint from before the TE spec existed (no ``layout``) resumes as the local spec; one
+    written with TE's spec is refused with one line where TE and a GPU are missing."""
+    meg, batch, _ = _trained(mg, experts=0, steps=1)
+    good = meg.save_checkpoint(tmp_path / "good")
+    want = meg.compute_log_probs(batch).log_probs
+    meg.close()
+    for layout, path in ((None, tmp_path / "old"), ("te", tmp_path / "te")):
+        shutil.copytree(good, path)
+        state = torch.load(path / TRAINER_STATE_FILE, weights_only=True)
+        state.pop("layout")
+        torch.save(state if layout is None else {**state, "layout": layout},
+                   path / TRAINER_STATE_FILE)
+    old = MegatronTrainEngine.from_checkpoint(tmp_path / "old", launcher="local")
+    assert torch.equal(old.compute_log_probs(batch).log_probs, want)
+    old.close()
+    with pytest.raises(CheckpointError, match="layer spec, which needs TE and a GPU") as err:
+        MegatronTrainEngine.from_checkpoint(tmp_path / "te", launcher="local")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("kind", ["missing", "empty", "file", "hf_only"])
 def test_no_engine_from_a_missing_or_empty_directory(mg, tmp_path, kind):
     path = tmp_path / "ckpt"

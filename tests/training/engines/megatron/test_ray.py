@@ -13,6 +13,7 @@ import torch
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.hf_io import load_hf_dir, read_meta
 from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngine
+from training.engines.train import SnapshotUnavailableError
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +145,20 @@ def test_world_size_2_pipeline_parallel_on_cpu(ray_session, mg, tmp_path, expert
     output layer (with tied embeddings its own copy, kept equal through summed gradients).
     Log-probs, recorded routes, R3 replay, a step in both accumulation modes and the merged HF
     weights match the embedded engine; a checkpoint resumes exactly."""
+    from training.engines.hf_io import read_state_dict
+    from training.engines.megatron.convert import hf_to_megatron, to_stage
+
     d = mg.hf_dir(experts, tie=tie)
     settings = MegatronSettings(pipeline_parallel=2)
+    # the stages hold shards of different sizes; a budget of two of the smaller would keep two
+    # versions on one stage and one on the other if each counted its own size
+    full = hf_to_megatron(read_state_dict(d), mg.cfg(experts, tie=tie), layout="local")
+    sizes = sorted(sum(t.numel() * 4 for t in to_stage(full, mg.cfg(experts, tie=tie), pp=2,
+                                                        pp_rank=r).values()) for r in range(2))
+    assert sizes[0] < sizes[1]
     emb = EmbeddedTrainEngine.from_pretrained(d, optim=mg.OPTIM)
-    meg = MegatronTrainEngine.from_pretrained(d, optim=mg.OPTIM, settings=settings)
+    meg = MegatronTrainEngine.from_pretrained(d, optim=mg.OPTIM, settings=settings,
+                                              snapshot_budget_bytes=2 * sizes[0])
     assert meg.world_size == 2
     batch = mg.batch(n=7, routes_for=mg.cfg(experts) if experts else None)
     kws = [{}, {"micro_batch_size": 3}] + ([{"routing": "r3"}] if experts else [])
@@ -159,7 +170,13 @@ def test_world_size_2_pipeline_parallel_on_cpu(ray_session, mg, tmp_path, expert
             assert all(torch.equal(x, y) for x, y in zip(a.routes, b.routes, strict=True))
     step = {"routing": "r3"} if experts else {}
     _parity_step(mg, emb, meg, batch, micro_batch_size=3, **step)
+    emb_v1 = emb.compute_log_probs(batch).log_probs
     _parity_step(mg, emb, meg, batch, micro_batch_size=4, accumulation="full_batch", **step)
+    assert meg.snapshot_versions() == [1]  # both stages count the larger shard: one fits
+    torch.testing.assert_close(meg.compute_log_probs(batch, version=1).log_probs, emb_v1,
+                               atol=1e-4, rtol=0)
+    with pytest.raises(SnapshotUnavailableError):  # raised on every stage, none left waiting
+        meg.compute_log_probs(batch, version=0)
     want, got = mg.params(emb), meg.hf_state_dict()
     assert set(got) == set(want)
     for name in want:
