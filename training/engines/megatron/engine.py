@@ -88,6 +88,19 @@ class MegatronSettings:
                            self.data_parallel, self.distributed_optimizer, self.precision)
 
 
+def _check_fits(directory: str | Path, settings: MegatronSettings) -> None:
+    """Refuse a layout that cannot run the model of ``directory`` before any rank starts (a
+    directory whose config cannot be read is left to the ranks, which report it)."""
+    from training.engines.hf_io import CheckpointError, read_model_config
+    from training.engines.megatron.rank import check_model_fits
+
+    try:
+        cfg = read_model_config(Path(directory))
+    except (CheckpointError, OSError, ValueError):
+        return
+    check_model_fits(cfg, settings.parallelism())
+
+
 class _LocalRanks:
     """World size 1 in this process."""
 
@@ -187,11 +200,14 @@ class MegatronTrainEngine:
         self._config: ModelConfig | None = None
 
     @staticmethod
-    def _launch(settings: MegatronSettings | None, launcher: str, seed: int
+    def _launch(settings: MegatronSettings | None, launcher: str, seed: int,
+                directory: str | Path | None = None
                 ) -> tuple[_LocalRanks | _RayRanks, MegatronSettings]:
         settings = settings or MegatronSettings()
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher={launcher!r}; use one of {', '.join(LAUNCHERS)}")
+        if directory is not None:
+            _check_fits(directory, settings)
         ranks = _LocalRanks(settings, seed) if launcher == "local" else _RayRanks(settings, seed)
         return ranks, settings
 
@@ -203,7 +219,7 @@ class MegatronTrainEngine:
                         seed: int = 0) -> MegatronTrainEngine:
         """Warm start from an HF directory (weights, tokenizer, ``weight_version``) with a fresh
         optimizer. Missing / empty / unreadable → :class:`CheckpointError` (no engine)."""
-        ranks, settings = cls._launch(settings, launcher, seed)
+        ranks, settings = cls._launch(settings, launcher, seed, directory)
         engine = cls(ranks, settings)
         try:
             engine._set_state(ranks.call("load_pretrained", str(directory), optim or OptimConfig(),
@@ -221,7 +237,7 @@ class MegatronTrainEngine:
                         seed: int = 0) -> MegatronTrainEngine:
         """Exact resume from a :meth:`save_checkpoint` directory (its OptimConfig, step, version,
         RNG, snapshots, R2 routes). Any failure → :class:`CheckpointError`; no engine."""
-        ranks, settings = cls._launch(settings, launcher, seed)
+        ranks, settings = cls._launch(settings, launcher, seed, directory)
         engine = cls(ranks, settings)
         try:
             engine._set_state(ranks.call("load_checkpoint_fresh", str(directory),

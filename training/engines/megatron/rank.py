@@ -179,6 +179,21 @@ class Parallelism:
                 "expert_parallel": self.expert_parallel, "data_parallel": self.data_parallel}
 
 
+def check_model_fits(cfg: ModelConfig, parallel: Parallelism) -> None:
+    """ValueError naming the fix unless ``parallel`` can run ``cfg``: the sizes divide the model
+    (``convert.check_parallel_sizes``), and no MoE under tensor parallelism (megatron trains MoE
+    layers under TP only with sequence parallelism, which this engine does not run)."""
+    from training.engines.megatron.convert import check_parallel_sizes
+
+    check_parallel_sizes(cfg, parallel.tensor_parallel, parallel.expert_parallel,
+                         parallel.pipeline_parallel)
+    if cfg.is_moe and parallel.tensor_parallel > 1:
+        raise ValueError(f"engines.megatron.tensor_parallel={parallel.tensor_parallel} with an MoE "
+                         "model: megatron trains MoE layers under TP only with sequence "
+                         "parallelism, which asyncrl does not run; split the experts with "
+                         "expert_parallel (and data_parallel) instead")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -426,11 +441,7 @@ class MegatronRank(RetainedState, RouteReplay):
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        if cfg.is_moe and self.parallel.tensor_parallel > 1:
-            raise ValueError(f"engines.megatron.tensor_parallel={self.parallel.tensor_parallel} "
-                             "with an MoE model: megatron trains MoE layers under TP only with "
-                             "sequence parallelism, which asyncrl does not run; split the "
-                             "experts with expert_parallel (and data_parallel) instead")
+        check_model_fits(cfg, self.parallel)
         if tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's "
                              f"vocab_size is {cfg.vocab_size}")

@@ -174,6 +174,21 @@ def test_in_process_engines_are_world_size_one():
                                             settings=MegatronSettings(pipeline_parallel=2))
 
 
+def test_a_layout_that_cannot_run_the_model_is_refused_before_any_rank_starts(mg):
+    """Checked on the driver from config.json: no Ray actor is started (Ray is not even
+    initialised here) and the message names the fix."""
+    import ray
+
+    cases = [(mg.hf_dir(4), MegatronSettings(tensor_parallel=2), "with an MoE model"),
+             (mg.hf_dir(0), MegatronSettings(pipeline_parallel=3),
+              "pipeline_parallel=3 must divide num_layers=2")]
+    for d, settings, message in cases:
+        for build in (MegatronTrainEngine.from_pretrained, MegatronTrainEngine.from_checkpoint):
+            with pytest.raises(ValueError, match=message):
+                build(d, settings=settings)
+    assert not ray.is_initialized()
+
+
 def test_distributed_optimizer_trains_and_resumes_exactly(mg, tmp_path):
     """Megatron's DistributedOptimizer (world size 1 here; DP=2 in test_ray): the same steps as
     the embedded AdamW, and an exact resume (Adam moments *and* step count)."""
