@@ -317,6 +317,14 @@ class FullyAsyncMode(_AsyncCommon):
         "At a sync, pause the engines mid-generation, load the new weights and resume: "
         "interrupted samples keep their tokens and per-token versions. False: stop submitting "
         "and wait for in-flight requests to finish before syncing."))
+    interrupt: Literal["auto", "retract", "abort_resume"] = Field("auto", description=(
+        "How a partial rollout is interrupted at a sync. 'retract': the engine keeps each "
+        "running sequence and re-prefills it under the new weights; it must report the weight "
+        "version of every token (the embedded engine does, SGLang does not). 'abort_resume' "
+        "(seed 002: interrupted rollouts are saved and resumed): the engines abort in-flight "
+        "requests, which return their tokens so far; after the load the rollouter sends prompt "
+        "+ those tokens back for the rest, and labels each piece with the version that "
+        "generated it. 'auto': retract on embedded engines, abort_resume on SGLang."))
 
 
 AsyncSpec = Annotated[SyncMode | OneStepMode | FullyAsyncMode, Field(discriminator="mode")]
@@ -599,6 +607,11 @@ class Recipe(_Strict):
                 and self.algorithm.routing_replay == "r3":
             raise ValueError("engines.sglang.router=sglang-router drops return_routed_experts, so "
                              "routing_replay r3 cannot work through it; use router: asyncrl")
+        if e.rollout == "sglang" and getattr(a, "interrupt", "auto") == "retract" \
+                and getattr(a, "partial_rollout", False):
+            raise ValueError("async.interrupt=retract needs the weight version of every token, "
+                             "and SGLang reports one per request; use interrupt: abort_resume "
+                             "(or auto)")
         if e.rollout == "sglang" and e.sglang.weight_sync == "nccl" and e.train != "megatron":
             raise ValueError("engines.sglang.weight_sync=nccl broadcasts from the Megatron ranks; "
                              "set engines.train: megatron or weight_sync: disk")
@@ -637,6 +650,17 @@ class Recipe(_Strict):
         return self.async_.mode
 
     @property
+    def partial_interrupt(self) -> Literal["retract", "abort_resume"] | None:
+        """How partial rollouts are interrupted at a sync (``async.interrupt`` with ``auto``
+        resolved for the rollout backend); None without partial rollout."""
+        a = self.async_
+        if not getattr(a, "partial_rollout", False):
+            return None
+        if a.interrupt == "auto":
+            return "abort_resume" if self.engines.rollout == "sglang" else "retract"
+        return a.interrupt
+
+    @property
     def groups_per_step(self) -> int:
         return self.rollout.batch_prompts * self.async_.require_batches
 
@@ -659,9 +683,10 @@ class Recipe(_Strict):
         return recipe_hash(self)
 
 
-# engines.<section>.<key> fields added after runs were recorded: at their default they do not
+# <top>.<section|None>.<key> fields added after runs were recorded: at their default they do not
 # count in the hash, so `--resume` of a run (and a campaign) from before them still matches
-_ADDED_LATER = (("megatron", "precision", "fp32"),)
+_ADDED_LATER = (("engines", "megatron", "precision", "fp32"),
+                ("async", None, "interrupt", "auto"))
 
 
 def recipe_hash(recipe: Recipe) -> str:
@@ -677,9 +702,12 @@ def recipe_hash(recipe: Recipe) -> str:
     engines = data.get("engines", {})
     if engines.get("train") != "megatron":
         engines.pop("megatron", None)
-    for section, key, default in _ADDED_LATER:  # at their default: the hash from before them
-        if engines.get(section, {}).get(key, default) == default:
-            engines.get(section, {}).pop(key, None)
+    for top, section, key, default in _ADDED_LATER:  # at their default: the hash before them
+        holder = data.get(top, {})
+        if section is not None:
+            holder = holder.get(section, {})
+        if holder.get(key, default) == default:
+            holder.pop(key, None)
     if engines.get("rollout") != "sglang":
         engines.pop("sglang", None)
     canon = json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -103,6 +103,32 @@ def test_promotions_follow_the_gates(campaign_run):
     db.close()
 
 
+def test_every_gate_and_the_diagnosis_run_on_the_real_metrics(campaign_run):
+    from registry.db import RegistryDB
+    from registry.gates import diagnosis_for, evaluate_gates, gate_names, summarize
+    from training.runtime.sinks import read_metrics
+
+    db = RegistryDB()
+    run_dirs = [Path(r["run_dir"]) for r in db.runs("e2e-1")]
+    db.close()
+    assert len(run_dirs) == 3
+    for run_dir in run_dirs:
+        history = read_metrics(run_dir / "metrics.jsonl")
+        assert len([r for r in history if not r.get("step/eval_only")]) == 2  # steps: 2
+        results = evaluate_gates([(n, {}) for n in gate_names()], history,
+                                 reference=summarize(history), context={"max_staleness": 1})
+        assert [r.name for r in results] == gate_names() and len(results) == 9
+        for r in results:
+            json.dumps(r.to_dict())
+        by_name = {r.name: r for r in results}
+        # sync and one-step runs are at most one step stale, the bound the context gives
+        assert by_name["staleness_within_bound"].passed
+        assert by_name["staleness_within_bound"].value in (0.0, 1.0)
+        diagnosis = diagnosis_for(history)
+        assert isinstance(diagnosis["causes"], list)
+        json.dumps(diagnosis)
+
+
 def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
     _, out, again = campaign_run
     from mlflow import MlflowClient

@@ -14,9 +14,14 @@ Ray) and owns:
   estimated tokens — length-aware dispatch gives each request a ``max_new_tokens`` estimate — health
   checks, retry on another engine when one dies);
 - **weight syncs** (:meth:`Rollouter.sync_weights`): with partial rollout the engines are paused
-  mid-generation (``retract``: running sequences keep their tokens and per-token versions and are
-  re-prefilled under the new weights), the weights are loaded and generation continues; without
-  it, submission stops and the in-flight requests finish before the weights change. A load that
+  mid-generation, the weights are loaded and generation continues; without it, submission stops
+  and the in-flight requests finish before the weights change. Partial rollouts are interrupted
+  one of two ways (``Recipe.partial_interrupt``): ``retract`` — the engine keeps each running
+  sequence and re-prefills it under the new weights, reporting the version of every token (the
+  embedded engine); ``abort_resume`` — the engines abort in-flight requests, which come back with
+  their tokens so far; once the new weights are in, prompt + those tokens are sent again for the
+  rest and the pieces are joined (log-probs, per-piece versions, routed experts). SGLang reports
+  one ``weight_version`` per request, so only ``abort_resume`` labels its tokens right. A load that
   someone else does (each engine directly behind sglang-router; an NCCL broadcast from the
   trainer) is framed by :meth:`Rollouter.begin_weight_sync` / :meth:`Rollouter.end_weight_sync`,
   the two halves of the same sync.
@@ -40,8 +45,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from training.engines.client import RolloutClient
-from training.engines.rollout import GenerateRequest, RolloutEngineError, SamplingParams
+from training.engines.rollout import (
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngineError,
+    SamplingParams,
+)
 from training.recipe import Recipe
 from training.runtime.pipeline import Dispatcher, StalenessController
 from training.runtime.types import Group, Sample
@@ -85,6 +97,42 @@ class _Pending:
     samples: list[Sample | None] = field(default_factory=list)
 
 
+@dataclass
+class _Response:
+    """One sample's response, joined from the requests that produced it (several when
+    abort_resume interrupted it): tokens, their log-probs and weight versions, and the routed
+    experts of every position whose next token was sampled — the rows of each piece that are new
+    (a resumed request re-prefills the earlier tokens under newer weights; those rows are not
+    the ones that sampled them)."""
+
+    prompt_len: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "abort"
+    _routes: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, res: GenerateResult, moe: bool) -> None:
+        if moe:
+            # rows cover positions 0 .. P+O−2 of this request: keep from the first new one on
+            start = self.prompt_len + len(self.output_ids) - 1 if self.output_ids else 0
+            end = self.prompt_len + len(self.output_ids) + len(res.output_ids) - 1
+            routes = res.routed_experts
+            if routes is None or len(routes) < end:
+                raise RolloutEngineError(
+                    f"engine returned {0 if routes is None else len(routes)} routed-expert rows "
+                    f"for {res.prompt_tokens} prompt + {res.completion_tokens} output tokens, "
+                    f"expected {end}; is --enable-return-routed-experts set?")
+            self._routes.append(routes[start:end])
+        self.output_ids += [int(t) for t in res.output_ids]
+        self.logprobs += [float(x) for x in (res.output_logprobs or [])]
+        self.versions += [int(v) for v in res.output_token_weight_versions]
+        self.finish_reason = res.finish_reason
+
+    def routes(self) -> np.ndarray | None:
+        return np.concatenate(self._routes) if self._routes else None
+
+
 class Rollouter:
     """Generates groups into the sample buffer (see the module docstring).
 
@@ -124,9 +172,12 @@ class Rollouter:
         )
         self.dispatcher = Dispatcher(r.data.dispatch, ema_alpha=r.data.length_ema)
         self.partial_rollout = bool(getattr(a, "partial_rollout", False))
+        self.interrupt = r.partial_interrupt  # retract | abort_resume | None
         self.max_in_flight = r.data.max_in_flight
         self.sync_timeout_s = 600.0
-        self.moe = r.is_moe and r.algorithm.routing_replay == "r3"
+        # R3 needs the rollout's routes; the model is MoE (the recipe checks a warm start, the
+        # run's start a checkpoint's config.json: `Recipe.is_moe` cannot see inside a checkpoint)
+        self.moe = r.algorithm.routing_replay == "r3"
         self.policy_step = 0
         self.version = int(version)
         self.next_group_id = 0
@@ -152,7 +203,8 @@ class Rollouter:
         self._idle = 0.0
         self._idle_since: float | None = time.monotonic()
         self.counters = dict(samples_generated=0, tokens_generated=0, sample_retries=0,
-                             groups_completed=0, partial_samples=0, syncs=0)
+                             groups_completed=0, partial_samples=0, syncs=0,
+                             resumed_requests=0)
         self._sync_times: list[float] = []
         self._wait_times: list[float] = []
 
@@ -246,55 +298,74 @@ class Rollouter:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _request(self, gid: int, idx: int, attempt: int) -> GenerateRequest:
+    def _request(self, gid: int, idx: int, attempt: int,
+                 done: list[int] | None = None) -> GenerateRequest:
+        """The request for sample ``idx`` of group ``gid``; ``done``: response tokens an
+        interrupted request already produced (abort_resume), sent after the prompt."""
         pend = self._groups[gid]
         r = self.recipe.rollout
+        done = done or []
         sampling = SamplingParams(
-            max_new_tokens=r.max_response_tokens, temperature=r.temperature, top_p=r.top_p,
-            stop_token_ids=(self.tokenizer.eos_token_id,),
+            max_new_tokens=r.max_response_tokens - len(done), temperature=r.temperature,
+            top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_token_id,),
             seed=stable_hash(self.recipe.seed, "sample", gid, idx, attempt) % 2**31)
         expected = self.dispatcher.expected_length(pend.example.id)
-        return GenerateRequest(input_ids=pend.prompt_ids, sampling=sampling,
+        return GenerateRequest(input_ids=pend.prompt_ids + done, sampling=sampling,
                                return_routed_experts=self.moe,
                                expected_new_tokens=None if expected is None else
-                               int(expected) + 1)
+                               max(1, int(expected) + 1 - len(done)))
 
     async def _run_sample(self, gid: int, idx: int) -> None:
         pend = self._groups[gid]
         submitted = time.time()
         attempt = 0
+        response = _Response(len(pend.prompt_ids))
+        limit = self.recipe.rollout.max_response_tokens
         try:
             while True:
                 attempt += 1
                 assert self.client is not None
                 try:
-                    res = (await self.client.generate_one(self._request(gid, idx, attempt)))[0]
+                    res = (await self.client.generate_one(
+                        self._request(gid, idx, attempt, response.output_ids)))[0]
                 except RolloutEngineError as e:
                     self.counters["sample_retries"] += 1
                     log.warning("sample %d/%d failed on every engine (%s); retrying", gid, idx, e)
                     await asyncio.sleep(min(2.0, 0.2 * attempt))
                     continue
-                if res.aborted:  # an engine dropped it mid-way (e.g. abort-mode pause): redo
+                if res.aborted and self.interrupt == "abort_resume":
+                    # interrupted by a sync (or an engine going down): keep its tokens, then ask
+                    # for the rest under the weights the engines hold once the sync is over
+                    if res.output_ids:
+                        response.add(res, self.moe)
+                        self.counters["resumed_requests"] += 1
+                    if len(response.output_ids) >= limit:
+                        response.finish_reason = "length"
+                        break
+                    while self._syncing and not self._stopping:
+                        await asyncio.sleep(0.005)
+                    continue
+                if res.aborted:  # an engine dropped it mid-way (retract mode): redo it whole
                     self.counters["sample_retries"] += 1
                     continue
+                response.add(res, self.moe)
                 break
-            text = self.tokenizer.decode(res.output_ids)
+            text = self.tokenizer.decode(response.output_ids)
             reward = self.task.reward(pend.example, text)
-            logprobs = res.output_logprobs or []
             sample = Sample(
                 group_id=gid, sample_index=idx, prompt_id=pend.example.id,
-                prompt_ids=list(pend.prompt_ids), response_ids=list(res.output_ids),
-                rollout_log_probs=[float(x) for x in logprobs],
-                token_versions=[int(v) for v in res.output_token_weight_versions],
-                loss_mask=[1] * len(res.output_ids), reward=float(reward),
-                difficulty=pend.example.difficulty, finish_reason=res.finish_reason,
-                routes=res.routed_experts if self.moe else None, engine_url=res.engine_url,
+                prompt_ids=list(pend.prompt_ids), response_ids=list(response.output_ids),
+                rollout_log_probs=list(response.logprobs),
+                token_versions=list(response.versions),
+                loss_mask=[1] * len(response.output_ids), reward=float(reward),
+                difficulty=pend.example.difficulty, finish_reason=response.finish_reason,
+                routes=response.routes() if self.moe else None, engine_url=res.engine_url,
                 submitted_at=submitted, finished_at=time.time(), attempts=attempt)
             self.counters["samples_generated"] += 1
-            self.counters["tokens_generated"] += len(res.output_ids)
+            self.counters["tokens_generated"] += len(response.output_ids)
             if sample.spans_sync:
                 self.counters["partial_samples"] += 1
-            self.dispatcher.complete(gid, idx, len(res.output_ids))
+            self.dispatcher.complete(gid, idx, len(response.output_ids))
             pend.samples[idx] = sample
             if all(s is not None for s in pend.samples):
                 group = Group(group_id=gid, prompt_id=pend.example.id,
@@ -356,7 +427,8 @@ class Rollouter:
         t0 = time.monotonic()
         try:
             if self.partial_rollout:
-                await self.control.pause_generation("retract")
+                await self.control.pause_generation(
+                    "abort" if self.interrupt == "abort_resume" else "retract")
             else:
                 deadline = time.monotonic() + self.sync_timeout_s
                 while self._in_flight > 0:

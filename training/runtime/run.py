@@ -89,9 +89,12 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
         path = Path(recipe.model.path).expanduser()
         from training.engines.hf_io import read_model_config
         try:
-            read_model_config(path)
+            cfg = read_model_config(path)
         except CheckpointError as e:
             raise RunError(f"model.path: {e}") from None
+        if recipe.algorithm.routing_replay != "none" and not cfg.is_moe:
+            raise RunError(f"algorithm.routing_replay={recipe.algorithm.routing_replay} needs an "
+                           f"MoE model and model.path {path} is dense; set routing_replay: none")
         return path
     from training.tasks.warmstart import WarmStartConfig, warm_start
 

@@ -1,11 +1,16 @@
 """Partial rollout across weight syncs, checked token by token.
 
 The Rollouter (in-process, no Ray) generates long responses on a real fp32 embedded server while
-the test pushes new trainer weights three times with ``sync_weights`` (partial rollout: pause with
-``retract``, load, continue). Samples caught mid-generation carry tokens from several versions.
-Under ``old_logprob: snapshot`` the Learner's π_old must equal the trainer's own log-probs at each
+the test pushes new trainer weights three times with ``sync_weights`` (partial rollout: pause,
+load, continue). Samples caught mid-generation carry tokens from several versions. Under
+``old_logprob: snapshot`` the Learner's π_old must equal the trainer's own log-probs at each
 token's version — and, with an fp32 server, the rollout log-probs μ the server reported — which
 shows the per-token versions are right.
+
+Both interrupt modes: ``retract`` (the engine keeps the sequences and reports each token's
+version) and ``abort_resume`` (the SGLang path: requests are aborted, and the rollouter resends
+prompt + tokens so far after the load and labels each piece itself; here with the server's
+per-token versions withheld, as SGLang sends only one ``weight_version`` per request).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from training.engines.embedded.launch import EmbeddedServer
 from training.engines.embedded.trainer import EmbeddedTrainEngine
+from training.engines.rollout import GenerateResult
 from training.engines.train import OptimConfig, TokenBatch
 from training.recipe import recipe_from_dict
 from training.runtime.actors import SampleBuffer
@@ -27,14 +33,17 @@ from training.tasks.warmstart import WarmStartConfig, warm_start
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
+def tiny_ckpts(tmp_path_factory):
+    """A tiny dense and a tiny MoE (4 experts, top-2) warm start."""
     import os
 
     home = tmp_path_factory.mktemp("home")
     old = os.environ.get("ASYNCRL_HOME")
     os.environ["ASYNCRL_HOME"] = str(home)
     try:
-        yield warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2)).path
+        yield {"dense": warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2)).path,
+               "moe": warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2,
+                                                 moe_experts=4, moe_top_k=2)).path}
     finally:
         if old is None:
             os.environ.pop("ASYNCRL_HOME", None)
@@ -60,15 +69,40 @@ async def _until_decoding(url: str) -> None:
             await asyncio.sleep(0.002)
 
 
-def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpt, tmp_path):
+@pytest.fixture
+def one_version_per_request(monkeypatch):
+    """Responses parsed as SGLang's are: the engine's per-token versions are not read."""
+    original = GenerateResult.from_sglang.__func__
+
+    def parse(cls, out, *args, **kwargs):
+        out.get("meta_info", {}).pop("output_token_weight_versions", None)
+        return original(cls, out, *args, **kwargs)
+
+    monkeypatch.setattr(GenerateResult, "from_sglang", classmethod(parse))
+
+
+@pytest.mark.parametrize(("interrupt", "model"), [
+    ("retract", "dense"), ("abort_resume", "dense"), ("retract", "moe"), ("abort_resume", "moe")])
+def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpts, tmp_path, interrupt,
+                                                            model, request):
+    """MoE under R3: a sample's routes are, at every position, those of the forward that sampled
+    the next token — for a resumed sample, of the request that produced that piece, not the
+    resumed request's re-prefill of the earlier tokens under newer weights (the retract engine
+    keeps them the same way)."""
+    if interrupt == "abort_resume":
+        request.getfixturevalue("one_version_per_request")
+    tiny_ckpt = tiny_ckpts[model]
+    replay = "r3" if model == "moe" else "none"
     recipe = recipe_from_dict({
         "steps": 4,
         "model": {"kind": "checkpoint", "path": str(tiny_ckpt)},
         "rollout": {"n": 2, "batch_prompts": 4, "temperature": 3.0,
                     "max_response_tokens": 200},
-        "async": {"mode": "fully_async", "staleness_threshold": 1.0, "partial_rollout": True},
+        "async": {"mode": "fully_async", "staleness_threshold": 1.0, "partial_rollout": True,
+                  "interrupt": interrupt},
         "data": {"drain": "fifo", "dispatch": "fifo", "max_in_flight": 16},
-        "algorithm": {"old_logprob": "snapshot", "correction": {"kind": "compis"}},
+        "algorithm": {"old_logprob": "snapshot", "correction": {"kind": "compis"},
+                      "routing_replay": replay},
     })
     engine = EmbeddedTrainEngine.from_pretrained(tiny_ckpt, optim=OptimConfig(lr=5e-2))
     v0 = engine.weight_version
@@ -97,6 +131,9 @@ def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpt, tmp_path)
     partial = [s for s in samples if s.spans_sync]
     assert partial, "no sample was caught by a sync mid-generation"
     assert stats["async/rollouter/partial_samples"] >= len(partial)
+    if interrupt == "abort_resume":  # each interrupted request was resumed, never redone
+        assert stats["async/rollouter/resumed_requests"] >= len(partial)
+        assert stats["async/rollouter/sample_retries"] == 0
     for s in samples:  # versions never go backwards inside a sample
         assert s.token_versions == sorted(s.token_versions)
         assert v0 <= s.token_versions[0] and s.token_versions[-1] <= v0 + 3
@@ -109,13 +146,36 @@ def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpt, tmp_path)
     mask = dbg["response_mask"].bool()
     versions = dbg["token_versions"]
     # π_old of each token is the trainer's log-prob under the version that produced it
-    batch = TokenBatch.from_sequences([s.prompt_ids for g in spanning for s in g.samples],
-                                      [s.response_ids for g in spanning for s in g.samples])
+    batch = TokenBatch.from_sequences(
+        [s.prompt_ids for g in spanning for s in g.samples],
+        [s.response_ids for g in spanning for s in g.samples],
+        routes=[s.routes for g in spanning for s in g.samples] if model == "moe" else None)
+    free = {}
     for v in sorted(set(versions[mask].tolist())):
-        direct = engine.compute_log_probs(batch, version=int(v), temperature=3.0).log_probs
+        free[v] = engine.compute_log_probs(batch, version=int(v), temperature=3.0)
+        direct = engine.compute_log_probs(batch, version=int(v), temperature=3.0,
+                                          routing="r3" if model == "moe" else "free").log_probs
         hit = mask & (versions == v)
         torch.testing.assert_close(dbg["old_log_prob"][hit], direct[hit])
-    # and (fp32 server) what the server reported while sampling, token by token
-    torch.testing.assert_close(dbg["old_log_prob"][mask], dbg["rollout_log_prob"][mask],
-                               atol=2e-4, rtol=0)
+        # and (fp32 server) what the server reported while sampling, token by token: the
+        # engine's forward of a token at version v ran over a prefix prefilled at v
+        torch.testing.assert_close(free[v].log_probs[hit], dbg["rollout_log_prob"][hit],
+                                   atol=2e-4, rtol=0)
+    if model == "dense":
+        torch.testing.assert_close(dbg["old_log_prob"][mask], dbg["rollout_log_prob"][mask],
+                                   atol=2e-4, rtol=0)
+    else:
+        # (R3 of a token after a sync replays the older routes of the prefix positions, which
+        # the engine re-prefilled under the new weights: not μ exactly, so checked route by route)
+        moved = 0
+        for i, s in enumerate(seq for g in spanning for seq in g.samples):
+            p0 = len(s.prompt_ids) - 1  # row p computed the token at p + 1
+            assert s.routes.shape == (p0 + len(s.response_ids), 2, 2)
+            for p in range(s.routes.shape[0]):
+                v = s.token_versions[max(0, p - p0)]
+                want = free[v].routes[i][p].sort(-1).values
+                assert torch.equal(torch.as_tensor(s.routes[p]).sort(-1).values, want), (
+                    f"sample {i} position {p}: routes are not those of version {v}")
+                moved += not torch.equal(free[max(free)].routes[i][p].sort(-1).values, want)
+        assert moved > 0  # routing changed across versions: the check above can tell them apart
     assert result.metrics["old/snapshot_fallback_frac"] == 0.0

@@ -203,6 +203,18 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     assert "model.path" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_routing_replay_on_a_dense_checkpoint_is_a_one_line_error(tmp_path):
+    from training.runtime.run import initial_checkpoint
+
+    dense = initial_checkpoint(tiny("sync", 1))
+    recipe = recipe_from_dict({"model": {"kind": "checkpoint", "path": str(dense)},
+                               "algorithm": {"routing_replay": "r3"}})
+    with pytest.raises(RunError) as err:
+        run_recipe(recipe, out=tmp_path / "run")
+    assert str(err.value) == (f"algorithm.routing_replay=r3 needs an MoE model and model.path "
+                              f"{dense} is dense; set routing_replay: none")
+
+
 def test_moe_fully_async_with_rollout_routing_replay(ray_session, tmp_path):
     recipe = tiny("fully_async", 3,
                   model={"moe_experts": 4, "moe_top_k": 2},

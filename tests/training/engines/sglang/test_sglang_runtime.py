@@ -130,6 +130,11 @@ def test_a_run_behind_the_real_sglang_router_syncs_each_engine_directly(
     versions = [r["step/weight_version"] for r in rows]
     assert versions == sorted(versions) and len(set(versions)) == 3
     assert rows[-1]["async/rollouter/syncs"] == 3
+    # SGLang's partial rollouts abort and resume (async.interrupt auto): an aborted request is
+    # continued from its tokens, never redone; a sample spanning a sync was resumed
+    assert rows[-1]["async/rollouter/sample_retries"] == 0
+    if any(r["async/partial_ratio"] > 0 for r in rows):
+        assert rows[-1]["async/rollouter/resumed_requests"] > 0
     # the rollouter's client saw one "engine": the router
     assert rows[-1]["async/engines_admitted"] == 1
     *engines, extra = seen[3]
