@@ -100,7 +100,8 @@ def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpts, tmp_path
                     "max_response_tokens": 200},
         "async": {"mode": "fully_async", "staleness_threshold": 1.0, "partial_rollout": True,
                   "interrupt": interrupt},
-        "data": {"drain": "fifo", "dispatch": "fifo", "max_in_flight": 16},
+        # 4 requests at a time: generating the batch outlasts the three syncs
+        "data": {"drain": "fifo", "dispatch": "fifo", "max_in_flight": 4},
         "algorithm": {"old_logprob": "snapshot", "correction": {"kind": "compis"},
                       "routing_replay": replay},
     })
