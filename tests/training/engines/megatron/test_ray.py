@@ -84,7 +84,6 @@ def test_world_size_2_tensor_parallel_on_cpu(ray_session, mg, tmp_path):
     again.close()
 
 
-@pytest.mark.slow
 def test_world_size_2_data_parallel_on_cpu(ray_session, mg):
     """DP=2 with the DistributedOptimizer: micro-batches alternate between the two ranks and
     their gradients are summed, so one step equals the embedded engine's on the whole batch."""
