@@ -11,6 +11,7 @@ step (staleness 0: pure engine mismatch, seed 001's zero-staleness check).
     python benchmarks/gpu_smoke.py --model /path/to/hf  # an HF Llama/Mixtral-style directory
     python benchmarks/gpu_smoke.py --ray-address auto   # on a Ray cluster's head node
     python benchmarks/gpu_smoke.py --weight-sync nccl --precision bf16   # the GPU-only paths
+    python benchmarks/gpu_smoke.py --mode fully_async   # partial rollout: SGLang abort + resume
 
 Needs 2 GPUs (engine + rank; Ray gives each its own), SGLang (``pip install -e ".[gpu]"``) and
 megatron-core (``.[megatron]``); without them it prints one line saying which is missing and
@@ -26,8 +27,12 @@ Expected output (figures vary by GPU; what matters is their order of magnitude):
   ``weight sync`` 0.5-5 s for a small model from local disk, tokens/s in the thousands;
 - the mismatch table of step 0 with the decision tree's usual reading: Pearson of probs > 0.99,
   PPL ratio within 1 ± 0.05, for MoE a routing flip rate of a few percent or less;
-- ``verdict: OK`` when every step trained, the engine served every synced weight version and
-  |Δlogp| mean stayed below 0.1; otherwise ``verdict: CHECK`` with the reason.
+- with ``--mode fully_async`` (partial rollout; SGLang's requests are aborted at each sync and
+  resumed from their tokens, ``async.interrupt: abort_resume``): staleness up to 2, a partial
+  ratio above 0 on most steps and as many resumed requests as partial samples or more;
+- ``verdict: OK`` when every step trained, the engine served every synced weight version,
+  |Δlogp| mean stayed below 0.1 and (fully_async) every sample that spanned a sync was resumed,
+  none redone from scratch; otherwise ``verdict: CHECK`` with the reason.
 
 The run directory (metrics.jsonl, checkpoint, engine logs under $ASYNCRL_HOME/logs/<run>) is kept
 for inspection; its path is printed.
@@ -49,6 +54,8 @@ STEP_COLUMNS = (
     ("async/weight_sync_s", "weight sync s"),
     ("async/tokens_per_s", "tokens/s"),
     ("step/weight_version", "version"),
+    ("async/partial_ratio", "partial ratio"),
+    ("async/rollouter/resumed_requests", "resumed"),
 )
 MISMATCH_LIMIT = 0.1
 
@@ -68,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a broadcast from the Megatron rank (default disk)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="engines.megatron.precision of the trainer (default fp32)")
+    p.add_argument("--mode", choices=("one_step", "fully_async"), default="one_step",
+                   help="async.mode: one_step, or fully_async with partial rollout (default "
+                        "one_step)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster")
     p.add_argument("--out", default=None, help="run directory (default under $ASYNCRL_HOME)")
     return p.parse_args(argv)
@@ -104,7 +114,9 @@ def smoke_recipe(args: argparse.Namespace):
     return recipe_from_dict({
         "name": "gpu-smoke", "steps": args.steps, "model": model,
         "rollout": {"n": 8, "batch_prompts": 16, "max_response_tokens": 32},
-        "async": {"mode": "one_step"},
+        "async": ({"mode": "one_step"} if args.mode == "one_step" else
+                  {"mode": "fully_async", "staleness_threshold": 0.5, "partial_rollout": True,
+                   "max_off_policy_steps": 2}),
         "eval": {"every": 0, "n": 0},
         "algorithm": {"routing_replay": "r3" if args.moe and not args.model else "none"},
         "engines": {
@@ -156,6 +168,15 @@ def report(result, wall_s: float) -> int:
     versions = [r.get("step/weight_version") for r in rows]
     if versions != sorted(versions):
         problems.append("weight versions went backwards")
+    last = rows[-1]
+    if last.get("async/rollouter/sample_retries"):
+        problems.append(f"{last['async/rollouter/sample_retries']:.0f} samples were generated "
+                        "again (an engine failed, or an aborted request was redone, not resumed)")
+    partial = sum(r.get("async/partial_samples") or 0.0 for r in rows)
+    if partial > (last.get("async/rollouter/resumed_requests") or 0.0):
+        problems.append(f"{partial:.0f} trained samples spanned a sync but only "
+                        f"{last.get('async/rollouter/resumed_requests') or 0:.0f} requests were "
+                        "resumed")
     print("verdict: " + ("OK" if not problems else "CHECK — " + "; ".join(problems)))
     return 0 if not problems else 1
 
