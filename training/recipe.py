@@ -319,12 +319,13 @@ class FullyAsyncMode(_AsyncCommon):
         "and wait for in-flight requests to finish before syncing."))
     interrupt: Literal["auto", "retract", "abort_resume"] = Field("auto", description=(
         "How a partial rollout is interrupted at a sync. 'retract': the engine keeps each "
-        "running sequence and re-prefills it under the new weights; it must report the weight "
-        "version of every token (the embedded engine does, SGLang does not). 'abort_resume' "
-        "(seed 002: interrupted rollouts are saved and resumed): the engines abort in-flight "
-        "requests, which return their tokens so far; after the load the rollouter sends prompt "
-        "+ those tokens back for the rest, and labels each piece with the version that "
-        "generated it. 'auto': retract on embedded engines, abort_resume on SGLang."))
+        "running sequence, re-prefills it under the new weights and reports the weight version "
+        "of every token (the embedded engine per token, SGLang 0.5.23 as spans). "
+        "'abort_resume' (seed 002: interrupted rollouts are saved and resumed): the engines "
+        "abort in-flight requests, which return their tokens so far; after the load the "
+        "rollouter sends prompt + those tokens back for the rest and labels each piece with the "
+        "version that generated it. 'auto': retract on embedded engines, abort_resume on SGLang "
+        "(whose retract drops the routed experts recorded before the re-prefill)."))
 
 
 AsyncSpec = Annotated[SyncMode | OneStepMode | FullyAsyncMode, Field(discriminator="mode")]
@@ -607,11 +608,6 @@ class Recipe(_Strict):
                 and self.algorithm.routing_replay == "r3":
             raise ValueError("engines.sglang.router=sglang-router drops return_routed_experts, so "
                              "routing_replay r3 cannot work through it; use router: asyncrl")
-        if e.rollout == "sglang" and getattr(a, "interrupt", "auto") == "retract" \
-                and getattr(a, "partial_rollout", False):
-            raise ValueError("async.interrupt=retract needs the weight version of every token, "
-                             "and SGLang reports one per request; use interrupt: abort_resume "
-                             "(or auto)")
         if e.rollout == "sglang" and e.sglang.weight_sync == "nccl" and e.train != "megatron":
             raise ValueError("engines.sglang.weight_sync=nccl broadcasts from the Megatron ranks; "
                              "set engines.train: megatron or weight_sync: disk")

@@ -309,8 +309,11 @@ class GenerateResult:
             finish = {"type": finish}
         version = _parse_version(meta.get("weight_version"))
         versions = meta.get("output_token_weight_versions")
-        token_versions = ([_parse_version(v) for v in versions] if versions is not None
-                          else [version] * len(output_ids))
+        if versions is not None:  # asyncrl's embedded engine: one per token
+            token_versions = [_parse_version(v) for v in versions]
+        else:
+            token_versions = _versions_from_spans(meta.get("weight_versions"), version,
+                                                  len(output_ids))
         routes = None
         if meta.get("routed_experts") is not None:
             if moe_layout is None:
@@ -427,6 +430,24 @@ def decode_routed_experts(data: str, num_layers: int, top_k: int) -> np.ndarray:
         raise RolloutEngineError(f"routed_experts has {flat.size} ids, not a multiple of "
                                  f"num_layers*top_k = {num_layers * top_k}; wrong moe_layout?")
     return flat.reshape(-1, num_layers, top_k).copy()
+
+
+def _versions_from_spans(spans: Any, last: int, n: int) -> list[int]:
+    """Per-token versions from SGLang's ``meta_info.weight_versions`` (0.5.23; sent when the
+    weights changed while the request ran): ``[{"version", "start", "end"}]``, output token
+    indices ``[start, end)``; tokens no span covers have the request's final ``weight_version``."""
+    out = [last] * n
+    if spans is None:
+        return out
+    try:
+        for span in spans:
+            v = _parse_version(span["version"])
+            start, end = int(span["start"]), min(int(span["end"]), n)
+            out[max(0, start):end] = [v] * max(0, end - max(0, start))
+    except (KeyError, TypeError, ValueError) as e:
+        raise RolloutEngineError(f"meta_info.weight_versions {brief_repr(spans)} is not a list "
+                                 f"of {{version, start, end}} spans ({e})") from None
+    return out
 
 
 def _parse_version(v: Any) -> int:

@@ -20,8 +20,9 @@ Ray) and owns:
   sequence and re-prefills it under the new weights, reporting the version of every token (the
   embedded engine); ``abort_resume`` — the engines abort in-flight requests, which come back with
   their tokens so far; once the new weights are in, prompt + those tokens are sent again for the
-  rest and the pieces are joined (log-probs, per-piece versions, routed experts). SGLang reports
-  one ``weight_version`` per request, so only ``abort_resume`` labels its tokens right. A load that
+  rest and the pieces are joined (log-probs, per-piece versions, routed experts). ``auto`` takes
+  ``abort_resume`` on SGLang: its retract re-prefill drops the routes recorded before it, so a
+  retracted sample's routes would follow other rules than the embedded engine's. A load that
   someone else does (each engine directly behind sglang-router; an NCCL broadcast from the
   trainer) is framed by :meth:`Rollouter.begin_weight_sync` / :meth:`Rollouter.end_weight_sync`,
   the two halves of the same sync.
@@ -337,8 +338,14 @@ class Rollouter:
                     # interrupted by a sync (or an engine going down): keep its tokens, then ask
                     # for the rest under the weights the engines hold once the sync is over
                     if res.output_ids:
-                        response.add(res, self.moe)
-                        self.counters["resumed_requests"] += 1
+                        try:
+                            response.add(res, self.moe)
+                            self.counters["resumed_requests"] += 1
+                        except RolloutEngineError:
+                            # SGLang: a request retracted under KV-cache pressure and aborted
+                            # while queued again returns its tokens but no routed experts;
+                            # R3 needs them, so that piece is generated again
+                            self.counters["sample_retries"] += 1
                     if len(response.output_ids) >= limit:
                         response.finish_reason = "length"
                         break

@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from training.engines.embedded.launch import EmbeddedServer
 from training.engines.embedded.trainer import EmbeddedTrainEngine
-from training.engines.rollout import GenerateResult
+from training.engines.rollout import GenerateResult, RolloutEngineError
 from training.engines.train import OptimConfig, TokenBatch
 from training.recipe import recipe_from_dict
 from training.runtime.actors import SampleBuffer
 from training.runtime.learner import Learner
-from training.runtime.rollouter import Rollouter
+from training.runtime.rollouter import Rollouter, _Response
 from training.tasks.warmstart import WarmStartConfig, warm_start
 
 
@@ -180,3 +181,40 @@ def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpts, tmp_path
                 moved += not torch.equal(free[max(free)].routes[i][p].sort(-1).values, want)
         assert moved > 0  # routing changed across versions: the check above can tell them apart
     assert result.metrics["old/snapshot_fallback_frac"] == 0.0
+
+
+def _piece(prompt, output, routes_rows, version, finish="abort"):
+    routes = None if routes_rows is None else np.arange(routes_rows * 4, dtype=np.int32) \
+        .reshape(routes_rows, 2, 2) + 100 * version
+    return GenerateResult(prompt_ids=list(prompt), output_ids=list(output),
+                          output_logprobs=[-0.5 - version] * len(output), finish_reason=finish,
+                          finish_detail={"type": finish}, weight_version=version,
+                          output_token_weight_versions=[version] * len(output),
+                          routed_experts=routes)
+
+
+def test_pieces_join_with_the_routes_of_the_forward_that_sampled_each_token():
+    """P = 3 prompt tokens; piece 1 (version 1) samples 2 tokens, piece 2 (version 2) is sent
+    prompt + those 2 and samples 3: rows 0..3 come from piece 1, rows 4..6 from piece 2 (its
+    rows 0..3 re-prefilled tokens that piece 1 had already sampled)."""
+    response = _Response(prompt_len=3)
+    response.add(_piece([1, 2, 3], [7, 8], 4, version=1), moe=True)  # P + O − 1 = 4 rows
+    response.add(_piece([1, 2, 3, 7, 8], [9, 10, 2], 7, version=2, finish="stop"), moe=True)
+    assert response.output_ids == [7, 8, 9, 10, 2]
+    assert response.versions == [1, 1, 2, 2, 2] and response.finish_reason == "stop"
+    assert response.logprobs == [-1.5, -1.5, -2.5, -2.5, -2.5]
+    routes = response.routes()
+    assert routes.shape == (7, 2, 2)  # P + O − 1 of the joined sample
+    assert np.array_equal(routes[:4], _piece([], [], 4, 1).routed_experts)
+    assert np.array_equal(routes[4:], _piece([], [], 7, 2).routed_experts[4:])
+
+
+def test_a_piece_without_routes_is_refused_and_leaves_the_response_unchanged():
+    """SGLang returns an aborted request that was retracted and still queued without routed
+    experts: R3 cannot use its tokens, so the rollouter generates that piece again."""
+    response = _Response(prompt_len=3)
+    response.add(_piece([1, 2, 3], [7, 8], 4, version=1), moe=True)
+    with pytest.raises(RolloutEngineError, match="returned 0 routed-expert rows"):
+        response.add(_piece([1, 2, 3, 7, 8], [9], None, version=2), moe=True)
+    assert response.output_ids == [7, 8] and response.versions == [1, 1]
+    assert response.routes().shape == (4, 2, 2)

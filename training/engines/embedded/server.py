@@ -22,7 +22,8 @@ training.engines.embedded.server``). Endpoints, with SGLang 0.5.x field names:
   {names, dtypes, shapes, group_name, weight_version?, flush_cache?}: receive those tensors by
   broadcast from rank 0 in list order and serve them (HF names; loaded as a checkpoint's would
   be, in the server precision), reporting ``weight_version`` when given
-  (:mod:`training.engines.sglang.nccl_sync` is the sender).
+  (:mod:`training.engines.sglang.nccl_sync` is the sender); as in SGLang 0.5.23 only inside a
+  session opened by ``POST /begin_weight_update`` and closed by ``POST /end_weight_update``.
 - ``POST /pause_generation`` {mode: abort | retract | in_place}, ``POST /continue_generation``,
   ``POST /abort_request`` {rid | abort_all}, ``GET|POST /flush_cache`` (no prefix cache: no-op).
 - ``GET /health``, ``GET /health_generate`` (a one-token generation), ``GET /model_info``
@@ -122,6 +123,7 @@ class ServerState:
         self.started = time.time()
         self.update_lock = asyncio.Lock()
         self.weight_groups: dict[str, Any] = {}  # /init_weights_update_group: name → group
+        self.weight_session = False  # between /begin_weight_update and /end_weight_update
 
     @property
     def tokenizer(self) -> CharTokenizer:
@@ -435,9 +437,29 @@ def create_app(state: ServerState) -> FastAPI:
         state.weight_groups[name] = group
         return {"success": True, "message": f"joined weight group {name!r} as rank {args[2]}"}
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update():
+        if state.weight_session:
+            return JSONResponse({"success": False, "message": (
+                "a weight-update session is already open; call /end_weight_update first")}, 400)
+        state.weight_session = True
+        return {"success": True, "message": "weight-update session open"}
+
+    @app.post("/end_weight_update")
+    async def end_weight_update():
+        if not state.weight_session:
+            return JSONResponse({"success": False, "message": (
+                "no weight-update session is open; call /begin_weight_update first")}, 400)
+        state.weight_session = False
+        return {"success": True, "message": "weight-update session closed"}
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await _json_or_empty(request)
+        if not state.weight_session:  # as SGLang (0.5.23): only inside a session
+            return JSONResponse({"success": False, "message": (
+                "update_weights_from_distributed must run between /begin_weight_update and "
+                "/end_weight_update")}, 400)
         name = str(body.get("group_name", ""))
         group = state.weight_groups.get(name)
         if group is None:

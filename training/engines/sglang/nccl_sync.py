@@ -7,22 +7,26 @@ SGLang's protocol (0.5.x, ``/init_weights_update_group`` + ``/update_weights_fro
    Engine e's tensor-parallel rank t becomes rank ``rank_offset_e + t``; ``world_size`` = 1 + the
    GPUs of all engines. Each HTTP call returns only once the group is formed, so the calls are
    sent concurrently with the trainer's own join.
-2. Per sync, per bucket of tensors: the trainer posts ``{names, dtypes, shapes, group_name,
-   weight_version, flush_cache}`` to every engine; each engine allocates those tensors and
-   receives them by ``broadcast(src=0)`` **in list order**, then loads them by their HF names; the
-   trainer broadcasts the same tensors in the same order, then reads the answers
+2. Per sync: ``/begin_weight_update`` opens a weight-update session on every engine (SGLang
+   0.5.23 refuses ``/update_weights_from_distributed`` outside one, and the sender's broadcast
+   would then wait for nobody); per bucket of tensors the trainer posts ``{names, dtypes, shapes,
+   group_name, weight_version, flush_cache}`` to every engine; each engine allocates those
+   tensors and receives them by ``broadcast(src=0)`` **in list order**, then loads them by their
+   HF names; the trainer broadcasts the same tensors in the same order, then reads the answers
    (``{success, message}``). ``weight_version`` and ``flush_cache`` go with the last bucket, so the
-   engine reports the new version only once every tensor is in.
+   engine reports the new version only once every tensor is in. ``/end_weight_update`` closes
+   the session, also after a failure (an engine left with an open session refuses the next).
 
 The trainer side takes full, HF-named tensors (the Megatron engine's ``hf_state_dict()``: TP/PP
 shards gathered on rank 0), casts them to the engine dtype (bf16: half the bytes of fp32), and
 broadcasts over a group separate from the trainer's own default group (NCCL on GPUs; gloo works
 the same way on CPU, which is how this module is tested).
 
-The group is created with ``torch.distributed``'s rendezvous and process-group helper, the same
-calls an SGLang engine makes on its side, so both ends agree on the store keys and the NCCL id
-exchange; that helper is private to torch (``_new_process_group_helper``), which is why the
-trainer and the engines must run the same torch (the ``gpu`` extra pins it through SGLang).
+The group is created with ``torch.distributed``'s rendezvous and process-group helper over a
+store prefixed by the group name, the same calls an SGLang engine makes on its side
+(``init_custom_process_group``), so both ends agree on the store keys and the NCCL id exchange;
+that helper is private to torch (``_new_process_group_helper``), which is why the trainer and
+the engines must run the same torch (the ``gpu`` extra pins it through SGLang).
 
 :class:`TrainerNcclPusher` is what the trainer actor holds: (re)make the group with the engines,
 push the train engine's current weights (:func:`hf_weights_of`). The embedded rollout server
@@ -33,6 +37,7 @@ engine rank uses (NCCL refuses two ranks of one group on one device).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -127,6 +132,9 @@ def new_weight_group(master_address: str, master_port: int, rank: int, world_siz
     store, rank, world_size = next(dist.rendezvous(
         f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    # SGLang's engines key their half of the exchange under the group name: without the same
+    # prefix both sides would wait on different keys until the timeout
+    store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store,
                                            group_name=group_name, timeout=timeout)
     # broadcast(src=...) translates global ranks through this map; the group's ranks are global
@@ -206,43 +214,64 @@ class NcclWeightSync:
 
     def push(self, state_dict: Mapping[str, Any], version: int,
              on_bucket: Callable[[list[str]], None] | None = None) -> PushReport:
-        """Broadcast ``state_dict`` (HF name → full tensor) to every engine as ``version``."""
+        """Broadcast ``state_dict`` (HF name → full tensor) to every engine as ``version``,
+        inside one weight-update session per engine (module docstring)."""
         import torch
-        import torch.distributed as dist
 
         if self.group is None:
             raise NcclSyncError("init_group() first: the engines have not joined the group")
         t0 = time.monotonic()
-        dtype_name = str(self.dtype).removeprefix("torch.")
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         names = list(state_dict)
         buckets = bucket_by_bytes(((n, state_dict[n].numel() * itemsize) for n in names),
                                   self.bucket_bytes)
         sent_bytes, bcast_s = 0, 0.0
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            tensors = [state_dict[n].detach().to(self.device, self.dtype).contiguous()
-                       for n in bucket]
-            body = update_payload(bucket, [dtype_name] * len(bucket),
-                                  [list(t.shape) for t in tensors], self.group_name,
-                                  weight_version=version if last else None, flush_cache=last)
-            calls = {url: self._post(url, "/update_weights_from_distributed", body)
-                     for url in self.urls}
-            tb = time.monotonic()
-            try:
-                for t in tensors:  # the engines receive in list order
-                    dist.broadcast(t, src=0, group=self.group)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            finally:
-                bcast_s += time.monotonic() - tb
-                self._check("update_weights_from_distributed", calls)
-            sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
-            if on_bucket is not None:
-                on_bucket(bucket)
+        self._all("begin_weight_update")
+        try:
+            for i, bucket in enumerate(buckets):
+                sent, seconds = self._push_bucket(state_dict, bucket, version,
+                                                  last=i == len(buckets) - 1)
+                sent_bytes, bcast_s = sent_bytes + sent, bcast_s + seconds
+                if on_bucket is not None:
+                    on_bucket(bucket)
+        except BaseException:
+            # close the sessions still open, but report the failure that stopped the push
+            with contextlib.suppress(NcclSyncError):
+                self._all("end_weight_update")
+            raise
+        self._all("end_weight_update")
         return PushReport(version=int(version), tensors=len(names), bytes=sent_bytes,
                           buckets=len(buckets), seconds=time.monotonic() - t0,
                           broadcast_seconds=bcast_s)
+
+    def _push_bucket(self, state_dict: Mapping[str, Any], bucket: list[str], version: int,
+                     last: bool) -> tuple[int, float]:
+        """Post one bucket's update to every engine and broadcast its tensors → (bytes sent,
+        seconds broadcasting). The version and the cache flush go with the last bucket."""
+        import torch
+        import torch.distributed as dist
+
+        tensors = [state_dict[n].detach().to(self.device, self.dtype).contiguous()
+                   for n in bucket]
+        body = update_payload(bucket, [str(self.dtype).removeprefix("torch.")] * len(bucket),
+                              [list(t.shape) for t in tensors], self.group_name,
+                              weight_version=version if last else None, flush_cache=last)
+        calls = {url: self._post(url, "/update_weights_from_distributed", body)
+                 for url in self.urls}
+        tb = time.monotonic()
+        try:
+            for t in tensors:  # the engines receive in list order
+                dist.broadcast(t, src=0, group=self.group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            seconds = time.monotonic() - tb
+            self._check("update_weights_from_distributed", calls)
+        return sum(t.numel() * t.element_size() for t in tensors), seconds
+
+    def _all(self, endpoint: str) -> None:
+        """POST ``/endpoint`` {} to every engine at once; raise naming those that refused."""
+        self._check(endpoint, {url: self._post(url, f"/{endpoint}", {}) for url in self.urls})
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -77,6 +77,28 @@ def test_aborted_answer():
     assert r.aborted and r.finish_detail["message"] == "Abort before prefill"
 
 
+def test_weight_version_spans_give_each_token_its_version():
+    # SGLang 0.5.23 (a request retracted across two weight updates): output token indices
+    # [start, end) per version, the last span's version also in weight_version
+    answer = {"output_ids": [5, 6, 7, 8, 9, 2], "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "4",
+        "weight_versions": [{"version": "2", "start": 0, "end": 2},
+                            {"version": "3", "start": 2, "end": 5},
+                            {"version": "4", "start": 5, "end": 6}]}}
+    r = GenerateResult.from_sglang(answer, [1])
+    assert r.output_token_weight_versions == [2, 2, 3, 3, 3, 4]
+    assert r.weight_version == 4 and r.spans_weight_update
+    # the first version may be SGLang's "default" (the launch version, asyncrl's 0)
+    answer["meta_info"]["weight_versions"][0]["version"] = "default"
+    assert GenerateResult.from_sglang(answer, [1]).output_token_weight_versions[:2] == [0, 0]
+    # no spans (no update while it ran): every token has weight_version
+    del answer["meta_info"]["weight_versions"]
+    assert GenerateResult.from_sglang(answer, [1]).output_token_weight_versions == [4] * 6
+    answer["meta_info"]["weight_versions"] = [{"version": "2"}]
+    with pytest.raises(RolloutEngineError, match=r"not a list of \{version, start, end\} spans"):
+        GenerateResult.from_sglang(answer, [1])
+
+
 def test_logprobs_of_other_tokens_and_wrong_layouts_are_refused():
     bad = {"output_ids": [1, 2], "meta_info": {
         "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 9, None]]}}

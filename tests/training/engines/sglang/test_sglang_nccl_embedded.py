@@ -98,8 +98,20 @@ def test_the_embedded_server_refuses_nccl_and_unknown_groups(servers):
         "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
         "group_name": "g", "backend": "nccl"})
     assert resp.status_code == 400 and "use backend gloo" in resp.json()["message"]
-    resp = httpx.post(pushed + "/update_weights_from_distributed", json={
-        "names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[32]],
-        "group_name": "nope"})
-    assert resp.status_code == 400 and "/init_weights_update_group first" in \
-        resp.json()["message"]
+    update = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[32]],
+              "group_name": "nope"}
+    resp = httpx.post(pushed + "/update_weights_from_distributed", json=update)
+    assert resp.status_code == 400 and resp.json()["message"] == (
+        "update_weights_from_distributed must run between /begin_weight_update and "
+        "/end_weight_update")
+    assert httpx.post(pushed + "/begin_weight_update", json={}).json()["success"]
+    resp = httpx.post(pushed + "/begin_weight_update", json={})
+    assert resp.status_code == 400 and "already open" in resp.json()["message"]
+    try:
+        resp = httpx.post(pushed + "/update_weights_from_distributed", json=update)
+        assert resp.status_code == 400 and "/init_weights_update_group first" in \
+            resp.json()["message"]
+    finally:
+        assert httpx.post(pushed + "/end_weight_update", json={}).json()["success"]
+    resp = httpx.post(pushed + "/end_weight_update", json={})
+    assert resp.status_code == 400 and "no weight-update session" in resp.json()["message"]

@@ -1,6 +1,9 @@
 """NCCL weight sync, run on CPU with gloo: the trainer's broadcaster against two stand-in engines
-(real HTTP servers in their own processes that record every request and play SGLang's side:
-join the group at their rank offset, receive each bucket's tensors by broadcast in list order).
+(real HTTP servers in their own processes that record every request and play SGLang 0.5.23's
+side: join the group at their rank offset the way SGLang's ``init_custom_process_group`` does —
+TCP rendezvous, a store prefixed by the group name, torch's process-group helper — and, only
+inside a ``/begin_weight_update`` … ``/end_weight_update`` session, receive each bucket's tensors
+by broadcast in list order).
 """
 
 from __future__ import annotations
@@ -25,12 +28,24 @@ from training.engines.sglang.nccl_sync import (
 )
 
 FAKE_ENGINE = textwrap.dedent('''
-    import json, sys, threading
+    import datetime, json, sys, threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import torch, torch.distributed as dist
-    from training.engines.sglang.nccl_sync import new_weight_group
+    from torch.distributed import distributed_c10d as c10d
 
-    requests, received, state = [], {}, {}
+    requests, received, state = [], {}, {"session": False}
+
+    def join(address, port, rank, world_size, group_name, backend):
+        # the engine's side as SGLang builds it (not asyncrl's helper, which is under test)
+        timeout = datetime.timedelta(seconds=60)
+        store, rank, world_size = next(dist.rendezvous(
+            f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = c10d.PrefixStore(group_name, store)
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store,
+                                               group_name=group_name, timeout=timeout)
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        return pg
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -54,11 +69,18 @@ FAKE_ENGINE = textwrap.dedent('''
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             requests.append({"path": self.path, "body": body})
             if self.path == "/init_weights_update_group":
-                state["group"] = new_weight_group(
+                state["group"] = join(
                     body["master_address"], body["master_port"], body["rank_offset"],
-                    body["world_size"], body["group_name"], body["backend"], 60)
+                    body["world_size"], body["group_name"], body["backend"])
                 return self._answer({"success": True, "message": "joined"})
+            if self.path in ("/begin_weight_update", "/end_weight_update"):
+                opening = self.path == "/begin_weight_update"
+                ok = state["session"] != opening
+                state["session"] = opening if ok else state["session"]
+                return self._answer({"success": ok, "message": "session"})
             if self.path == "/update_weights_from_distributed":
+                if not state["session"]:  # SGLang refuses, and never joins the broadcast
+                    return self._answer({"success": False, "message": "no session"})
                 tensors = [torch.empty(s, dtype=getattr(torch, d))
                            for d, s in zip(body["dtypes"], body["shapes"])]
                 for t in tensors:  # in list order, like SGLang's model runner
@@ -125,7 +147,7 @@ def test_broadcast_reaches_every_engine_in_buckets(engines):
              "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8, generator=gen),
              "model.norm.weight": torch.randn(4, generator=gen)}
     sync = NcclWeightSync(engines, 1, master_address="127.0.0.1", master_port=free_port(),
-                          group_name="test-weights", backend="gloo",
+                          group_name="test-weights", backend="gloo", timeout_s=30,
                           bucket_bytes=112)  # bf16: 48 + 64 bytes, then 8 → 2 buckets
     try:
         sync.init_group()
@@ -138,12 +160,13 @@ def test_broadcast_reaches_every_engine_in_buckets(engines):
     for offset, url in zip((1, 2), engines, strict=True):
         seen = httpx.get(url + "/recorded").json()
         paths = [r["path"] for r in seen["requests"]]
-        assert paths == ["/init_weights_update_group", "/update_weights_from_distributed",
-                         "/update_weights_from_distributed"]
+        assert paths == ["/init_weights_update_group", "/begin_weight_update",
+                         "/update_weights_from_distributed", "/update_weights_from_distributed",
+                         "/end_weight_update"]
         init = seen["requests"][0]["body"]
         assert init["rank_offset"] == offset and init["world_size"] == 3
         assert init["group_name"] == "test-weights" and init["backend"] == "gloo"
-        first, last = (r["body"] for r in seen["requests"][1:])
+        first, last = (r["body"] for r in seen["requests"][2:4])
         assert first["names"] == ["model.embed_tokens.weight",
                                   "model.layers.0.mlp.down_proj.weight"]
         assert first["shapes"] == [[6, 4], [4, 8]] and first["dtypes"] == ["bfloat16"] * 2
