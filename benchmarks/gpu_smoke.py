@@ -9,7 +9,8 @@ step (staleness 0: pure engine mismatch, seed 001's zero-staleness check).
 
     python benchmarks/gpu_smoke.py                      # the embedded warm start, 5 steps
     python benchmarks/gpu_smoke.py --model /path/to/hf  # an HF Llama/Mixtral-style directory
-    python benchmarks/gpu_smoke.py --ray-address auto   # on a Ray cluster's head node
+    python benchmarks/gpu_smoke.py --ray-address auto   # on a Ray cluster's head node (no GPU
+                                                        # needed there: the cluster has them)
     python benchmarks/gpu_smoke.py --weight-sync nccl --precision bf16   # the GPU-only paths
     python benchmarks/gpu_smoke.py --mode fully_async   # partial rollout: SGLang abort + resume
 
@@ -83,8 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def preflight() -> str | None:
-    """Why this node cannot run the smoke test, in one line; None when it can."""
+def preflight(ray_address: str | None = None) -> str | None:
+    """Why this node (or, with ``ray_address``, this Ray cluster, joined here and left
+    connected for the run) cannot run the smoke test, in one line; None when it can."""
     from training.engines.sglang.launch import SGLANG_MISSING
 
     if importlib.util.find_spec("sglang") is None:
@@ -93,6 +95,18 @@ def preflight() -> str | None:
             importlib.util.find_spec("megatron.core") is None:
         return ('engines.train: megatron needs megatron-core; install it with '
                 'pip install -e ".[megatron]"')
+    if ray_address:  # the driver may sit on a CPU head node: count the cluster's GPUs
+        import ray
+
+        try:
+            ray.init(address=ray_address, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            return f"cannot join the Ray cluster at {ray_address}: {e}"
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        if gpus < 2:
+            return (f"the Ray cluster at {ray_address} has {gpus:g} GPUs; needs 2 (one SGLang "
+                    "engine + one Megatron rank)")
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -183,7 +197,7 @@ def report(result, wall_s: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    why = preflight()
+    why = preflight(args.ray_address)
     if why is not None:
         print(f"gpu_smoke: {why}", file=sys.stderr)
         return 2
