@@ -346,6 +346,10 @@ class Rollouter:
                             # while queued again returns its tokens but no routed experts;
                             # R3 needs them, so that piece is generated again
                             self.counters["sample_retries"] += 1
+                    if response.output_ids and \
+                            response.output_ids[-1] == self.tokenizer.eos_token_id:
+                        response.finish_reason = "stop"  # it ended as it was aborted
+                        break
                     if len(response.output_ids) >= limit:
                         response.finish_reason = "length"
                         break
