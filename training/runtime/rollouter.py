@@ -114,6 +114,15 @@ class _Response:
     _routes: list[np.ndarray] = field(default_factory=list)
 
     def add(self, res: GenerateResult, moe: bool) -> None:
+        """Append ``res``'s tokens; raises :class:`RolloutEngineError` (leaving the response
+        as it was) when its log-probs, versions or routed experts do not cover them."""
+        o = len(res.output_ids)
+        if (res.output_logprobs is not None and len(res.output_logprobs) != o) or \
+                len(res.output_token_weight_versions) != o:
+            raise RolloutEngineError(
+                f"engine returned {o} tokens with "
+                f"{len(res.output_logprobs or [])} log-probs and "
+                f"{len(res.output_token_weight_versions)} weight versions")
         if moe:
             # rows cover positions 0 .. P+O−2 of this request: keep from the first new one on
             start = self.prompt_len + len(self.output_ids) - 1 if self.output_ids else 0
@@ -326,6 +335,7 @@ class Rollouter:
             while True:
                 attempt += 1
                 assert self.client is not None
+                syncs = self.counters["syncs"]
                 try:
                     res = (await self.client.generate_one(
                         self._request(gid, idx, attempt, response.output_ids)))[0]
@@ -334,33 +344,46 @@ class Rollouter:
                     log.warning("sample %d/%d failed on every engine (%s); retrying", gid, idx, e)
                     await asyncio.sleep(min(2.0, 0.2 * attempt))
                     continue
-                if res.aborted and self.interrupt == "abort_resume":
-                    # interrupted by a sync (or an engine going down): keep its tokens, then ask
-                    # for the rest under the weights the engines hold once the sync is over
-                    if res.output_ids:
-                        try:
-                            response.add(res, self.moe)
-                            self.counters["resumed_requests"] += 1
-                        except RolloutEngineError:
-                            # SGLang: a request retracted under KV-cache pressure and aborted
-                            # while queued again returns its tokens but no routed experts;
-                            # R3 needs them, so that piece is generated again
-                            self.counters["sample_retries"] += 1
-                    if response.output_ids and \
-                            response.output_ids[-1] == self.tokenizer.eos_token_id:
-                        response.finish_reason = "stop"  # it ended as it was aborted
-                        break
-                    if len(response.output_ids) >= limit:
-                        response.finish_reason = "length"
-                        break
-                    while self._syncing and not self._stopping:
-                        await asyncio.sleep(0.005)
-                    continue
-                if res.aborted:  # an engine dropped it mid-way (retract mode): redo it whole
+                if res.aborted and self.interrupt != "abort_resume":
+                    # an engine dropped it mid-way (retract mode): redo it whole
                     self.counters["sample_retries"] += 1
                     continue
-                response.add(res, self.moe)
-                break
+                kept = len(response.output_ids)
+                if res.output_ids or not res.aborted:
+                    try:
+                        response.add(res, self.moe)
+                    except RolloutEngineError as e:
+                        # e.g. SGLang: a request retracted under KV-cache pressure and aborted
+                        # while queued returns its tokens without routed experts, which R3
+                        # needs: that piece is generated again
+                        self.counters["sample_retries"] += 1
+                        log.warning("sample %d/%d: %s; generating that part again", gid, idx, e)
+                        await asyncio.sleep(min(2.0, 0.2 * attempt))
+                        continue
+                if not res.aborted:
+                    break
+                # abort_resume: interrupted by a sync (or an engine going down); the tokens are
+                # kept, and the rest is asked for under the weights the engines hold once the
+                # sync is over
+                if response.output_ids and \
+                        response.output_ids[-1] == self.tokenizer.eos_token_id:
+                    response.finish_reason = "stop"  # it ended as it was aborted
+                    break
+                if len(response.output_ids) >= limit:
+                    response.finish_reason = "length"
+                    break
+                if len(response.output_ids) == kept and not self._syncing \
+                        and self.counters["syncs"] == syncs:
+                    # aborted with nothing new and no sync since it was sent: the engine
+                    # refused it (e.g. SGLang aborts a request it cannot admit)
+                    self.counters["sample_retries"] += 1
+                    log.warning("sample %d/%d was aborted by the engine (%s); retrying", gid,
+                                idx, res.finish_detail.get("message", "no message"))
+                    await asyncio.sleep(min(2.0, 0.2 * attempt))
+                while self._syncing and not self._stopping:
+                    await asyncio.sleep(0.005)
+                if response.output_ids:
+                    self.counters["resumed_requests"] += 1
             text = self.tokenizer.decode(response.output_ids)
             reward = self.task.reward(pend.example, text)
             sample = Sample(
@@ -404,7 +427,8 @@ class Rollouter:
                            consumed_samples: int) -> dict[str, float]:
         """Load ``path`` (weight ``version``, trainer ``step``) on every engine.
 
-        Partial rollout: pause (retract) → load → continue; in-flight samples keep their tokens.
+        Partial rollout: pause (``retract``, or ``abort`` for abort_resume) → load → continue;
+        in-flight samples keep their tokens.
         Otherwise: stop dispatching, wait for the in-flight requests, load, resume.
         ``consumed_samples`` (trained + dropped so far) sets the next rollout_num quota.
         Returns ``async/sync_wait_s`` (waiting for generation to stop) and
@@ -430,7 +454,9 @@ class Rollouter:
     async def begin_weight_sync(self) -> float:
         """Stop generation for a weight load done by someone else (the driver through each
         engine, or a broadcast from the trainer): with partial rollout pause the engines
-        (``retract``), otherwise stop dispatching and wait for the in-flight requests. Returns the
+        (``retract``, or ``abort`` for abort_resume: the aborted requests are resumed after
+        :meth:`end_weight_sync`), otherwise stop dispatching and wait for the in-flight
+        requests. Returns the
         seconds waited. Follow with :meth:`end_weight_sync` once the engines hold the new weights;
         until then nothing new is dispatched."""
         assert self.control is not None

@@ -218,3 +218,13 @@ def test_a_piece_without_routes_is_refused_and_leaves_the_response_unchanged():
         response.add(_piece([1, 2, 3, 7, 8], [9], None, version=2), moe=True)
     assert response.output_ids == [7, 8] and response.versions == [1, 1]
     assert response.routes().shape == (4, 2, 2)
+
+
+def test_a_piece_whose_logprobs_do_not_cover_its_tokens_is_refused():
+    response = _Response(prompt_len=3)
+    short = GenerateResult(prompt_ids=[1, 2, 3], output_ids=[7, 8], output_logprobs=[-0.1],
+                           finish_reason="abort", finish_detail={"type": "abort"},
+                           weight_version=1, output_token_weight_versions=[1, 1])
+    with pytest.raises(RolloutEngineError, match="2 tokens with 1 log-probs and 2 weight"):
+        response.add(short, moe=False)
+    assert response.output_ids == [] and response.logprobs == [] and response.versions == []

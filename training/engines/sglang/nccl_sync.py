@@ -226,7 +226,7 @@ class NcclWeightSync:
         buckets = bucket_by_bytes(((n, state_dict[n].numel() * itemsize) for n in names),
                                   self.bucket_bytes)
         sent_bytes, bcast_s = 0, 0.0
-        self._all("begin_weight_update")
+        self._open_sessions()
         try:
             for i, bucket in enumerate(buckets):
                 sent, seconds = self._push_bucket(state_dict, bucket, version,
@@ -272,6 +272,27 @@ class NcclWeightSync:
     def _all(self, endpoint: str) -> None:
         """POST ``/endpoint`` {} to every engine at once; raise naming those that refused."""
         self._check(endpoint, {url: self._post(url, f"/{endpoint}", {}) for url in self.urls})
+
+    def _open_sessions(self) -> None:
+        """``/begin_weight_update`` on every engine; when one refuses (dead, or a session left
+        open), the sessions the others opened are closed again before raising, so the next push
+        (e.g. after the group is re-made without a dead engine) is not refused."""
+        calls = {url: self._post(url, "/begin_weight_update", {}) for url in self.urls}
+        try:
+            self._check("begin_weight_update", calls)
+        except NcclSyncError:
+            opened = [url for url, fut in calls.items() if self._succeeded(fut)]
+            with contextlib.suppress(NcclSyncError):
+                self._check("end_weight_update", {
+                    url: self._post(url, "/end_weight_update", {}) for url in opened})
+            raise
+
+    def _succeeded(self, fut: Future) -> bool:
+        try:
+            resp = fut.result(timeout=self.timeout_s)
+            return resp.is_success and bool((resp.json() if resp.content else {}).get("success"))
+        except Exception:  # transport error, timeout, unreadable answer
+            return False
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -9,6 +9,7 @@ by broadcast in list order).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ import torch
 
 from training.engines.embedded.launch import free_port
 from training.engines.sglang.nccl_sync import (
+    NcclSyncError,
     NcclWeightSync,
     bucket_by_bytes,
     init_group_payload,
@@ -179,3 +181,28 @@ def test_broadcast_reaches_every_engine_in_buckets(engines):
             assert got["dtype"] == "torch.bfloat16"
             assert got["values"] == tensor.to(torch.bfloat16).float().flatten().tolist()
     json.dumps(report.__dict__)  # plain numbers, loggable as metrics
+
+
+def test_a_refused_session_closes_the_others_and_the_next_push_works(engines):
+    """Engine B still has a session open (as after a crash mid-push): the push fails at once,
+    naming B, and closes the session A opened, so a later push is not refused by A."""
+    state = {"model.norm.weight": torch.arange(4, dtype=torch.float32)}
+    a, b = engines
+    sync = NcclWeightSync(engines, 1, master_address="127.0.0.1", master_port=free_port(),
+                          group_name="test-refused", backend="gloo", timeout_s=30)
+    try:
+        sync.init_group()
+        assert httpx.post(b + "/begin_weight_update", json={}).json()["success"]
+        with pytest.raises(NcclSyncError, match=r"^begin_weight_update failed on 1/2 engines: "
+                                                 + re.escape(b)):
+            sync.push(state, version=3)
+        paths = [r["path"] for r in httpx.get(a + "/recorded").json()["requests"]]
+        assert paths[-2:] == ["/begin_weight_update", "/end_weight_update"]
+        assert httpx.post(b + "/end_weight_update", json={}).json()["success"]
+        assert sync.push(state, version=4).version == 4
+    finally:
+        sync.close()
+    for url in engines:
+        seen = httpx.get(url + "/recorded").json()
+        assert seen["version"] == "4"
+        assert seen["received"]["model.norm.weight"]["values"] == [0.0, 1.0, 2.0, 3.0]
