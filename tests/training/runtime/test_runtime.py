@@ -227,3 +227,9 @@ def test_moe_fully_async_with_rollout_routing_replay(ray_session, tmp_path):
     check_counts(rows)
     cfg = json.loads((res.final_hf / "config.json").read_text())
     assert cfg["num_local_experts"] == 4
+    # a campaign's next stage starts from such a checkpoint: R3 still gets the rollout's routes
+    again = recipe_from_dict({**recipe.to_dict(), "steps": 2,
+                              "model": {"kind": "checkpoint", "path": str(res.final_hf)}})
+    rows = step_rows(run_recipe(again, out=tmp_path / "from-checkpoint").run_dir)
+    assert len(rows) == 2 and all(r["async/batch_rejected"] == 0 for r in rows)
+    assert all(r["moe/replay_mode"] == 3 for r in rows)
