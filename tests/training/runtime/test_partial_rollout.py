@@ -10,7 +10,8 @@ shows the per-token versions are right.
 Both interrupt modes: ``retract`` (the engine keeps the sequences and reports each token's
 version) and ``abort_resume`` (the SGLang path: requests are aborted, and the rollouter resends
 prompt + tokens so far after the load and labels each piece itself; here with the server's
-per-token versions withheld, as SGLang sends only one ``weight_version`` per request).
+per-token versions withheld, so each piece is labelled only by its response's one
+``weight_version``, as an SGLang request that no weight update crossed reports it).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ async def _until_decoding(url: str) -> None:
 
 @pytest.fixture
 def one_version_per_request(monkeypatch):
-    """Responses parsed as SGLang's are: the engine's per-token versions are not read."""
+    """The embedded engine's per-token versions are dropped before parsing: each piece has
+    only its response's ``weight_version``, so the rollouter's own labelling is what is tested."""
     original = GenerateResult.from_sglang.__func__
 
     def parse(cls, out, *args, **kwargs):

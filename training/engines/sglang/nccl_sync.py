@@ -281,18 +281,11 @@ class NcclWeightSync:
         try:
             self._check("begin_weight_update", calls)
         except NcclSyncError:
-            opened = [url for url, fut in calls.items() if self._succeeded(fut)]
+            opened = [url for url, fut in calls.items() if self._refusal(fut) is None]
             with contextlib.suppress(NcclSyncError):
                 self._check("end_weight_update", {
                     url: self._post(url, "/end_weight_update", {}) for url in opened})
             raise
-
-    def _succeeded(self, fut: Future) -> bool:
-        try:
-            resp = fut.result(timeout=self.timeout_s)
-            return resp.is_success and bool((resp.json() if resp.content else {}).get("success"))
-        except Exception:  # transport error, timeout, unreadable answer
-            return False
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -308,19 +301,22 @@ class NcclWeightSync:
         return self._pool.submit(self._http.post, url + path, json=body)
 
     def _check(self, what: str, calls: Mapping[str, Future]) -> None:
-        bad = []
-        for url, fut in calls.items():
-            try:
-                resp = fut.result(timeout=self.timeout_s)
-                data = resp.json() if resp.content else {}
-                ok = resp.is_success and bool(data.get("success", False))
-                if not ok:
-                    bad.append(f"{url}: HTTP {resp.status_code} {data.get('message', '')}")
-            except Exception as e:  # transport error, timeout, unreadable answer
-                bad.append(f"{url}: {type(e).__name__}: {e}")
+        bad = [f"{url}: {why}" for url, fut in calls.items()
+               if (why := self._refusal(fut)) is not None]
         if bad:
             raise NcclSyncError(f"{what} failed on {len(bad)}/{len(calls)} engines: "
                                 + "; ".join(bad))
+
+    def _refusal(self, fut: Future) -> str | None:
+        """Why an engine's answer is not ``{success: true}``; None when it is."""
+        try:
+            resp = fut.result(timeout=self.timeout_s)
+            data = resp.json() if resp.content else {}
+            if resp.is_success and bool(data.get("success", False)):
+                return None
+            return f"HTTP {resp.status_code} {data.get('message', '')}"
+        except Exception as e:  # transport error, timeout, unreadable answer
+            return f"{type(e).__name__}: {e}"
 
 
 # --- the trainer actor's side ---------------------------------------------------------------------
