@@ -40,6 +40,7 @@ from sqlalchemy.pool import StaticPool
 
 from registry.models import (
     Campaign,
+    CampaignOwner,
     CandidateRun,
     GateResult,
     Promotion,
@@ -47,6 +48,7 @@ from registry.models import (
     Stage,
     utcnow,
 )
+from training.ownership import ProcessIdentity
 
 #: Environment variable with a SQLAlchemy URL that overrides the default SQLite file.
 URL_ENV_VAR = "ASYNCRL_REGISTRY_URL"
@@ -866,3 +868,98 @@ class RegistryDB:
         with self._read() as s:
             p = self._promoted(s, campaign_id, stage)
             return None if p is None else _promotion_dict(p)
+
+    # ---- campaign ownership (registry.ownership) -----------------------------------------
+
+    def acquire_campaign(self, campaign_id: str, owner: ProcessIdentity,
+                         heartbeat_ttl_s: float) -> dict | None:
+        """Make ``owner`` the campaign's one owner, atomically (SQLite: ``BEGIN IMMEDIATE``;
+        PostgreSQL: the row locked ``FOR UPDATE``, a concurrent first insert loses on the
+        primary key and retries). Returns the previous owner's row when it was dead and is
+        taken over (a crashed campaign), else None. Raises :class:`CampaignOwnedError` when a
+        live process owns it (see :func:`owner_alive`)."""
+        for attempt in range(3):
+            try:
+                with self._write() as s:
+                    self._require_campaign(s, campaign_id)
+                    row = s.get(CampaignOwner, campaign_id, with_for_update=True)
+                    now = utcnow()
+                    previous = None
+                    if row is not None and row.token != owner.token:
+                        previous = _owner_dict(row, heartbeat_ttl_s)
+                        if previous["alive"]:
+                            raise CampaignOwnedError(
+                                f"campaign {campaign_id} is being run by asyncrl "
+                                f"{previous['describe']}; wait for it to finish (`asyncrl "
+                                f"campaign status {campaign_id}`) or stop that process, then "
+                                "resume it", previous)
+                        s.delete(row)
+                        s.flush()
+                        row = None
+                    if row is None:
+                        s.add(CampaignOwner(campaign_id=campaign_id, token=owner.token,
+                                            host=owner.host, pid=owner.pid,
+                                            start_ticks=owner.start_ticks, acquired_at=now,
+                                            heartbeat_at=now))
+                    else:
+                        row.heartbeat_at = now
+                    return previous
+            except IntegrityError:
+                if attempt == 2:
+                    raise
+        return None
+
+    def heartbeat_campaign(self, campaign_id: str, token: str) -> bool:
+        """Refresh the owner's heartbeat; False when ``token`` no longer owns the campaign."""
+        with self._write() as s:
+            row = s.get(CampaignOwner, campaign_id)
+            if row is None or row.token != token:
+                return False
+            row.heartbeat_at = utcnow()
+            return True
+
+    def release_campaign(self, campaign_id: str, token: str) -> None:
+        """End ``token``'s ownership (a no-op when it no longer owns the campaign)."""
+        with self._write() as s:
+            s.execute(delete(CampaignOwner).where(CampaignOwner.campaign_id == campaign_id,
+                                                  CampaignOwner.token == token))
+
+    def campaign_owner(self, campaign_id: str, heartbeat_ttl_s: float) -> dict | None:
+        """The campaign's owner row (``host``, ``pid``, ``alive``, ``describe``, …), or None."""
+        with self._read() as s:
+            row = s.get(CampaignOwner, campaign_id)
+            return None if row is None else _owner_dict(row, heartbeat_ttl_s)
+
+
+class CampaignOwnedError(RegistryError):
+    """A live process owns the campaign; ``owner`` is its row (see ``campaign_owner``)."""
+
+    def __init__(self, message: str, owner: dict) -> None:
+        super().__init__(message)
+        self.owner = owner
+
+
+def owner_alive(identity: ProcessIdentity, heartbeat_at: datetime, heartbeat_ttl_s: float
+                ) -> bool:
+    """A process on this host is alive when its PID exists with the recorded start time; one on
+    another host, while its heartbeat is younger than ``heartbeat_ttl_s``."""
+    seen = identity.alive()
+    if seen is not None:
+        return seen
+    if heartbeat_at.tzinfo is None:
+        heartbeat_at = heartbeat_at.replace(tzinfo=UTC)
+    return (utcnow() - heartbeat_at).total_seconds() < heartbeat_ttl_s
+
+
+def _owner_dict(row: CampaignOwner, heartbeat_ttl_s: float) -> dict:
+    identity = ProcessIdentity(host=row.host, pid=row.pid, start_ticks=row.start_ticks,
+                               token=row.token, since=_aware(row.acquired_at).timestamp())
+    return {"campaign_id": row.campaign_id, "host": row.host, "pid": row.pid,
+            "start_ticks": row.start_ticks, "acquired_at": _iso(row.acquired_at),
+            "heartbeat_at": _iso(row.heartbeat_at),
+            "alive": owner_alive(identity, row.heartbeat_at, heartbeat_ttl_s),
+            "describe": identity.describe()}
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)

@@ -16,6 +16,8 @@ Tables:
 - ``gate_results``: one stability-gate verdict for one run, with its evidence.
 - ``promotions``: a recipe (and checkpoint) promoted by a campaign stage or by hand, and its
   retirement.
+- ``campaign_owners``: the one process running a campaign now (revision 0003; see
+  ``registry.ownership``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -191,3 +194,24 @@ class Promotion(Base):
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     retired_by: Mapped[str | None] = mapped_column(String(NAME_LEN), nullable=True)
     retire_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class CampaignOwner(Base):
+    """The process that owns a campaign while it runs (revision 0003): ``host``, ``pid`` and the
+    process's start time in clock ticks (``start_ticks``, so a reused PID is not taken for the
+    owner), a random ``token`` naming this ownership, and ``heartbeat_at``, refreshed while it
+    runs (how another host tells a live owner from a dead one). The row is deleted when the
+    owner finishes; a row whose process is gone is a crashed owner, taken over by the next
+    launch or resume."""
+
+    __tablename__ = "campaign_owners"
+
+    campaign_id: Mapped[str] = mapped_column(
+        String(NAME_LEN), ForeignKey("campaigns.id", ondelete="CASCADE"), primary_key=True
+    )
+    token: Mapped[str] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(NAME_LEN))
+    pid: Mapped[int] = mapped_column(Integer)
+    start_ticks: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -13,7 +13,6 @@ renamed into place, so a reader never sees a half-written checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from training.engines.model import CausalLM, ModelConfig
+from training.fileio import recover_dir, replace_dir
 from training.tasks.tokenizer import CharTokenizer
 
 META_FILE = "asyncrl.json"
@@ -98,20 +98,15 @@ def save_hf_dir(
 
 def move_into_place(tmp: Path, target: Path) -> None:
     """Rename a fully written directory ``tmp`` to ``target``, replacing any old ``target``
-    (readers see the old or the new directory, never a mix)."""
-    if target.exists():
-        trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(target, trash)
-        os.replace(tmp, target)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    (readers see the old or the new directory, never a mix; fsynced, and a kill between the
+    renames is undone by :func:`training.fileio.recover_dir`)."""
+    replace_dir(tmp, target)
 
 
 def check_hf_dir(directory: str | Path) -> Path:
     """Raise :class:`CheckpointError` unless ``directory`` looks like a complete checkpoint."""
     d = Path(directory)
-    if not d.exists():
+    if not d.exists() and not recover_dir(d):  # recover_dir: a swap killed half-way
         raise CheckpointError(f"checkpoint {d} does not exist; pass a directory written by "
                               "`asyncrl warmstart` or a trainer export")
     if not d.is_dir():

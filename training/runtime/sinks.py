@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from training.fileio import atomic_write_text
+
 __all__ = [
     "CONSOLE_LABELS",
     "DEFAULT_CONSOLE_KEYS",
@@ -183,9 +185,7 @@ def _repair_for_append(path: Path, keep_until_step: int | None) -> None:
                  if not ln.strip() or int(json.loads(ln).get("step", 0)) <= keep_until_step]
     new = "".join(ln + "\n" for ln in lines)
     if new != text:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(new, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write_text(path, new)  # a kill here keeps the whole old history
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[MetricRecord]:

@@ -1,0 +1,82 @@
+"""One owner per campaign: the lease a campaign flow holds while it runs.
+
+Two ``asyncrl campaign resume ID`` at once once both ran and interleaved their writes (duplicated
+MLflow points, a ``metrics.jsonl`` cut to 2 of 7 rows). Now the flow takes the campaign's lease
+before it touches anything (:meth:`RegistryDB.acquire_campaign`, atomic on SQLite and
+PostgreSQL), a second process is refused with one line naming the owner, and the lease dies with
+its holder: on this host a dead PID (or a PID reused by another process: the start time differs)
+frees it at once; from another host, a heartbeat older than :data:`HEARTBEAT_TTL_S` does. The
+owner refreshes the heartbeat every :data:`HEARTBEAT_EVERY_S` seconds from a daemon thread.
+
+A campaign whose registry status is ``running`` but whose owner is gone has crashed:
+:func:`effective_status` says so (``campaign status`` / ``list`` show it with the resume
+command).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from registry.db import RegistryDB
+from training.ownership import ProcessIdentity
+
+__all__ = ["HEARTBEAT_EVERY_S", "HEARTBEAT_TTL_S", "CampaignLease", "effective_status"]
+
+log = logging.getLogger("asyncrl.registry")
+
+HEARTBEAT_EVERY_S = 10.0
+#: An owner on another host whose heartbeat is older than this is taken for dead.
+HEARTBEAT_TTL_S = 90.0
+
+
+class CampaignLease:
+    """Hold the campaign's ownership for the duration of a ``with`` block.
+
+    ``previous`` is the crashed owner's row when this lease took over from one (None for a
+    fresh start or a clean resume). Raises :class:`registry.db.CampaignOwnedError` on entry
+    when a live process owns the campaign."""
+
+    def __init__(self, db: RegistryDB, campaign_id: str) -> None:
+        self.db = db
+        self.campaign_id = campaign_id
+        self.identity = ProcessIdentity.current()
+        self.previous: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> CampaignLease:
+        self.previous = self.db.acquire_campaign(self.campaign_id, self.identity,
+                                                 HEARTBEAT_TTL_S)
+        self._thread = threading.Thread(target=self._beat, name="asyncrl-campaign-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_EVERY_S):
+            try:
+                if not self.db.heartbeat_campaign(self.campaign_id, self.identity.token):
+                    log.error("lost the ownership of campaign %s (another process took it "
+                              "over); stop this process", self.campaign_id)
+                    return
+            except Exception as e:  # a registry hiccup: the next beat tries again
+                log.warning("campaign %s heartbeat failed: %s", self.campaign_id, e)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.db.release_campaign(self.campaign_id, self.identity.token)
+        except Exception as e:  # the row stays; its dead PID frees it for the next owner
+            log.warning("could not release campaign %s: %s", self.campaign_id, e)
+
+
+def effective_status(db: RegistryDB, campaign: dict) -> tuple[str, dict | None]:
+    """``(status, owner)``: the recorded status, except ``"crashed"`` for a ``running``
+    campaign whose owner is gone (or was never recorded); ``owner`` is its row or None."""
+    owner = db.campaign_owner(campaign["id"], HEARTBEAT_TTL_S)
+    if campaign["status"] == "running" and (owner is None or not owner["alive"]):
+        return "crashed", owner
+    return campaign["status"], owner
