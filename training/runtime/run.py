@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from training.engines.hf_io import CheckpointError, move_into_place, read_meta
+from training.fileio import atomic_write_text, recover_dir
+from training.ownership import OwnedError, RunDirLock
 from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_hash
 from training.runtime.pipeline import staleness_metrics
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
@@ -285,6 +287,8 @@ class Runtime:
 
     def _load_resume_state(self) -> dict[str, Any]:
         ckpt = self.run_dir / CHECKPOINT_DIR
+        if recover_dir(ckpt):  # killed between the two renames of the last checkpoint's swap
+            log.warning("restored %s from the copy a killed checkpoint swap left", ckpt)
         state_path = ckpt / RUNTIME_STATE
         if not state_path.is_file():
             raise RunError(f"{self.run_dir} has no checkpoint ({state_path} is missing); resume "
@@ -307,7 +311,7 @@ class Runtime:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_state = self._load_resume_state() if self.resume else None
         if resume_state is None:
-            (self.run_dir / "recipe.yaml").write_text(self.recipe.to_yaml())
+            atomic_write_text(self.run_dir / "recipe.yaml", self.recipe.to_yaml())
             self.init_dir = initial_checkpoint(self.recipe)
             engine_dir = self.init_dir
             trainer_resume = None
@@ -365,7 +369,7 @@ class Runtime:
             sink.close()
             self._shutdown()
         summary = _summarise(metrics_path, self.counters, self.step)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return RunResult(run_dir=self.run_dir, final_hf=self.run_dir / "final" / "hf",
                          trainer_checkpoint=self.run_dir / CHECKPOINT_DIR / "trainer",
                          metrics_path=metrics_path, summary=summary, steps_done=self.step,
@@ -775,7 +779,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
             continue
         if int(row.get("step", 0)) < step or row.get("step/eval_only"):
             keep.append(line)
-    path.write_text("".join(x + "\n" for x in keep))
+    # atomic: a kill here must leave the whole old history (the gates read it), never a part
+    atomic_write_text(path, "".join(x + "\n" for x in keep))
 
 
 SUMMARY_KEYS = (
@@ -831,7 +836,8 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
         checkpoint_every: steps between checkpoints (0 = only at the end).
     Raises:
         RunError: a user-facing failure (bad checkpoint, engines that cannot start, a stalled
-            or failed rollouter, a resume that does not match).
+            or failed rollouter, a resume that does not match, a run directory another live
+            process is running: see :class:`training.ownership.RunDirLock`).
     """
     if resume is not None:
         run_dir = Path(resume)
@@ -850,4 +856,11 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
     rt = Runtime(recipe, out=run_dir, steps=steps, resume=resume is not None,
                  ray_address=ray_address, sinks=sinks, progress=progress,
                  checkpoint_every=checkpoint_every)
-    return rt.run()
+    try:  # one writer per run directory (two terminals resuming it would interleave its files)
+        lock = RunDirLock(run_dir).acquire()
+    except OwnedError as e:
+        raise RunError(str(e)) from None
+    try:
+        return rt.run()
+    finally:
+        lock.release()
