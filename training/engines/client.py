@@ -59,6 +59,7 @@ from training.engines.rollout import (
     PauseMode,
     RolloutEngineError,
     WeightUpdateResult,
+    weight_version_label,
 )
 
 log = logging.getLogger("asyncrl.client")
@@ -291,7 +292,7 @@ class RolloutClient:
         """Load ``path`` on every admitted engine as ``version``; remembered for resyncs when at
         least one engine loaded it. An engine that cannot be reached, or that answered with a
         failure while others succeeded, is ejected (it is resynced on readmission)."""
-        body = {"model_path": str(path), "weight_version": str(int(version)),
+        body = {"model_path": str(path), "weight_version": weight_version_label(int(version)),
                 "abort_all_requests": abort_all_requests}
         answers = await self._broadcast("/update_weights_from_disk", body)
         results = []
@@ -443,7 +444,7 @@ class RolloutClient:
                 current = ModelInfo.from_dict(info.json()).weight_version
                 if current != version:
                     resp = await self._http.post(engine.url + "/update_weights_from_disk", json={
-                        "model_path": path, "weight_version": str(version)})
+                        "model_path": path, "weight_version": weight_version_label(version)})
                     data = _json_or_none(resp) or {}
                     if not data.get("success", False):
                         engine.last_error = f"resync failed: {data.get('message', resp.text)}"

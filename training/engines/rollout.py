@@ -19,8 +19,13 @@ Conventions (shared with the train engine):
   at every position whose next token the model computed, on the wire as ONE base64 string of the
   row-major bytes (``meta_info.routed_experts``), exactly as SGLang sends it. A request aborted
   before its prompt was ever prefilled computed no position: (0, num_layers, top_k).
-- Weight versions are ints; every output token carries the version of the weights that produced
-  it (``output_token_weight_versions``), so a request spanning a weight update is visible.
+- Weight versions are ints in asyncrl (the trainer's, ordered: staleness is a difference of
+  versions); every output token carries the version of the weights that produced it
+  (``output_token_weight_versions``), so a request spanning a weight update is visible. On the
+  wire they are SGLang's opaque string labels (``weight_version: Optional[str]``, ``"default"``
+  until a load names one): asyncrl names version v ``"v"`` when it loads weights and reads the
+  labels engines report back as ints — :func:`weight_version_label` and
+  :func:`parse_weight_version` are the only two places that convert.
 """
 
 from __future__ import annotations
@@ -246,7 +251,8 @@ class GenerateResult:
         when not requested.
     finish_reason: "stop" | "length" | "abort".
     finish_detail: SGLang's full ``finish_reason`` object (e.g. ``{"type": "stop", "matched": 2}``).
-    weight_version: the engine's weight version when the response finished.
+    weight_version: the version of the weights that produced the last token (the engine's
+        version when none was produced), as SGLang reports it.
     output_token_weight_versions: (O,) the weight version that produced each token (equal to
         ``weight_version`` everywhere unless the request spanned a weight update).
     routed_experts: (P + O − 1 − start, num_layers, top_k) int32 expert ids, or None;
@@ -307,10 +313,10 @@ class GenerateResult:
         finish = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
         if isinstance(finish, str):  # some servers send the bare type
             finish = {"type": finish}
-        version = _parse_version(meta.get("weight_version"))
+        version = parse_weight_version(meta.get("weight_version"))
         versions = meta.get("output_token_weight_versions")
         if versions is not None:  # asyncrl's embedded engine: one per token
-            token_versions = [_parse_version(v) for v in versions]
+            token_versions = [parse_weight_version(v) for v in versions]
         else:
             token_versions = _versions_from_spans(meta.get("weight_versions"), version,
                                                   len(output_ids))
@@ -367,7 +373,7 @@ class ModelInfo:
             return None
 
         return cls(model_path=str(d.get("model_path", "")),
-                   weight_version=_parse_version(d.get("weight_version")),
+                   weight_version=parse_weight_version(d.get("weight_version")),
                    num_layers=opt_int("num_hidden_layers", "num_layers"),
                    num_experts=opt_int("num_local_experts", "num_experts"),
                    top_k=opt_int("num_experts_per_tok", "top_k"),
@@ -441,7 +447,7 @@ def _versions_from_spans(spans: Any, last: int, n: int) -> list[int]:
         return out
     try:
         for span in spans:
-            v = _parse_version(span["version"])
+            v = parse_weight_version(span["version"])
             start, end = int(span["start"]), min(int(span["end"]), n)
             out[max(0, start):end] = [v] * max(0, end - max(0, start))
     except (KeyError, TypeError, ValueError) as e:
@@ -450,14 +456,29 @@ def _versions_from_spans(spans: Any, last: int, n: int) -> list[int]:
     return out
 
 
-def _parse_version(v: Any) -> int:
-    if v is None or v == "default":  # SGLang's version before any update is "default"
+def weight_version_label(version: int) -> str:
+    """The ``weight_version`` asyncrl sends for its integer ``version`` (SGLang's field is a
+    string): ``"7"`` for 7."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"an asyncrl weight version is an integer >= 0, got {version!r}")
+    return str(version)
+
+
+def parse_weight_version(label: Any) -> int:
+    """asyncrl's integer version from a ``weight_version`` an engine reports: the inverse of
+    :func:`weight_version_label`. SGLang's label before any named load, ``"default"`` (or no
+    label), is the starting weights, 0. A bare JSON integer is read as its label would be (older
+    asyncrl engines sent them). Any other label was not given by asyncrl: RolloutEngineError."""
+    if label is None or label == "default":
         return 0
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise RolloutEngineError(f"weight_version {v!r} is not an integer; asyncrl names "
-                                 "weight versions by int") from None
+    if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+        return label
+    if isinstance(label, str) and label.isascii() and label.isdigit():
+        return int(label)
+    raise RolloutEngineError(
+        f"the engine reports weight_version {brief_repr(label)}, a label asyncrl did not give: "
+        "asyncrl names the weights it loads by their integer version (\"7\"); load weights "
+        "through asyncrl, or label them with an integer")
 
 
 def brief_repr(v: Any, limit: int = 60) -> str:

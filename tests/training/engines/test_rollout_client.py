@@ -99,7 +99,7 @@ def test_router_survives_a_killed_engine_and_readmits_it_with_current_weights(fl
     assert after_kill.completed == 40
     # re-admitted after restart, with the router's weights (the checkpoint alone says v0)
     assert final.readmissions == 1 and final.resyncs == 1 and final.engines[a.url]["admitted"]
-    assert httpx.get(a.url + "/model_info").json()["weight_version"] == 3
+    assert httpx.get(a.url + "/model_info").json()["weight_version"] == "3"
     assert {r.engine_url for [r] in again} == {a.url, b.url}
     assert all(r.weight_version == 3 for [r] in again)
 

@@ -19,7 +19,11 @@ length: no copying of caches per step.
 
 Weight updates are model swaps between steps: a running sequence keeps its KV cache (computed by
 the old weights) and continues with the new weights; each output token records the version that
-produced it. Pause modes: ``abort`` finishes running and queued sequences with finish_reason
+produced it. Versions are SGLang's opaque labels (strings such as ``"7"`` or ``"v7"``; ``"default"``
+until one is named); internally each load gets the next *load index* (0 for the weights served at
+start), which orders them, and a token records the index of its load: labels are only looked up
+when a result is handed out (:meth:`RolloutEngineCore.labels_of`), so a label loaded twice stays
+two loads. Pause modes: ``abort`` finishes running and queued sequences with finish_reason
 "abort" (partial output returned); ``in_place`` stops stepping and keeps everything; ``retract``
 frees the running sequences' slots and puts them back at the head of the queue, to be re-prefilled
 (prompt + output so far) after ``continue``. Routes recorded before a retraction are kept: they
@@ -57,9 +61,12 @@ class SequenceOutput:
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
-    token_versions: list[int]
+    token_versions: list[str]
+    """The version label of the weights that produced each output token."""
     finish: dict[str, Any]
-    weight_version: int
+    weight_version: str
+    """The label of the weights that produced the last output token (the engine's current label
+    when there is none), as SGLang's ``meta_info.weight_version``."""
     routes: np.ndarray | None
     """(P + O − 1 − start, L, k) int32: the experts at every position whose next token was
     computed, from ``routes_start`` on; None for a dense model or when not requested. A sequence
@@ -90,7 +97,7 @@ class Sequence:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
+    token_loads: list[int] = field(default_factory=list)  # load index of each output token
     routes: list[torch.Tensor] = field(default_factory=list)
     cache_len: int = 0
     created: float = field(default_factory=time.time)
@@ -170,7 +177,7 @@ class EngineStats:
     requests_finished: int = 0
     requests_aborted: int = 0
     retractions: int = 0
-    weight_updates: int = 0
+    weight_updates: int = 0  # loads after the start (= the current load index)
     step_errors: int = 0
 
 
@@ -181,13 +188,13 @@ class RolloutEngineCore:
         model: the model, already in the engine precision (``apply_precision``).
         tokenizer: for ``text`` and stop strings.
         precision: numerics (noise σ and seed are used here).
-        weight_version: version of the loaded weights.
+        weight_version: version label of the loaded weights (SGLang's default: "default").
         max_batch: most sequences decoded together (KV pool slots).
         max_prefill_tokens: padded tokens admitted in one prefill (at least one sequence).
     """
 
     def __init__(self, model: CausalLM, tokenizer: CharTokenizer, precision: PrecisionConfig,
-                 weight_version: int = 0, max_batch: int = 64,
+                 weight_version: str = "default", max_batch: int = 64,
                  max_prefill_tokens: int = 8192) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -195,7 +202,7 @@ class RolloutEngineCore:
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
         self.precision = precision
-        self.weight_version = int(weight_version)
+        self._labels: list[str] = [_label(weight_version)]  # load index → version label
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.stats = EngineStats()
@@ -241,11 +248,22 @@ class RolloutEngineCore:
     def resume(self) -> concurrent.futures.Future:
         return self._call(self._resume)
 
-    def swap_weights(self, model: CausalLM, version: int,
+    def swap_weights(self, model: CausalLM | None, version: str | None,
                      abort_all: bool = False) -> concurrent.futures.Future:
-        """Serve ``model`` (same architecture, already in the engine precision) from the next
-        step on, reporting ``version``."""
+        """Serve ``model`` (same architecture, already in the engine precision; None: the same
+        weights) from the next step on as a new load labelled ``version`` (None: keep the
+        current label, as SGLang does for an update that names none)."""
         return self._call(lambda: self._swap(model, version, abort_all))
+
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights served now."""
+        return self._labels[-1]
+
+    def labels_of(self, loads: list[int]) -> list[str]:
+        """Version labels of load indices (any thread: the table only grows)."""
+        labels = self._labels
+        return [labels[i] for i in loads]
 
     def load_tokens(self) -> int:
         """Tokens held by running and queued sequences (``/get_load``)."""
@@ -333,13 +351,15 @@ class RolloutEngineCore:
     def _resume(self) -> None:
         self.paused = None
 
-    def _swap(self, model: CausalLM, version: int, abort_all: bool) -> None:
-        if model.config != self.config:
+    def _swap(self, model: CausalLM | None, version: str | None, abort_all: bool) -> None:
+        if model is not None and model.config != self.config:
             raise ValueError("new weights have another architecture than the served model")
+        label = self.weight_version if version is None else _label(version)
         if abort_all:
             self._abort(None)
-        self.model = model
-        self.weight_version = int(version)
+        if model is not None:
+            self.model = model
+        self._labels.append(label)
         self.stats.weight_updates += 1
 
     # --- stepping ----------------------------------------------------------------------------
@@ -414,7 +434,7 @@ class RolloutEngineCore:
         for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
             s.output_ids.append(t)
             s.logprobs.append(lp)
-            s.token_versions.append(self.weight_version)
+            s.token_loads.append(len(self._labels) - 1)
             finish = self._finish_reason(s, t)
             if finish is not None:
                 self._finish(s, finish)
@@ -451,16 +471,23 @@ class RolloutEngineCore:
             else:
                 routes = np.zeros((0, self.config.num_layers, self.config.num_experts_per_tok),
                                   dtype=np.int32)
-        text = s.stop_text if s.stop_text is not None else self.tokenizer.decode(
-            s.output_ids, skip_special_tokens=s.params.skip_special_tokens)
         if finish["type"] == "abort":
             self.stats.requests_aborted += 1
         self.stats.requests_finished += 1
-        s.future.set_result(SequenceOutput(
+        s.future.set_result(self.snapshot(s, finish, routes, s.stop_text))
+
+    def snapshot(self, s: Sequence, finish: dict[str, Any], routes: np.ndarray | None = None,
+                 text: str | None = None) -> SequenceOutput:
+        """A sequence's output so far with its versions as labels; ``text``: the output text
+        when not the decoded ``output_ids`` (a trimmed stop string)."""
+        versions = self.labels_of(list(s.token_loads))
+        return SequenceOutput(
             rid=s.rid, prompt_ids=list(s.prompt_ids), output_ids=list(s.output_ids),
-            logprobs=list(s.logprobs), token_versions=list(s.token_versions), finish=finish,
-            weight_version=self.weight_version, routes=routes, text=text, created=s.created,
-            finished=time.time()))
+            logprobs=list(s.logprobs), token_versions=versions, finish=finish,
+            weight_version=versions[-1] if versions else self.weight_version, routes=routes,
+            text=text if text is not None else self.tokenizer.decode(
+                s.output_ids, skip_special_tokens=s.params.skip_special_tokens),
+            created=s.created, finished=time.time())
 
     def _drop_finished(self) -> None:
         """Remove finished sequences: free running slots (moving the last one in), and drop
@@ -480,3 +507,10 @@ class RolloutEngineCore:
         """Tokens a sequence's cache must hold before its next decode: the prompt, or for a
         retracted sequence prompt + all outputs but the last (the pending token)."""
         return list(s.prompt_ids) + s.output_ids[:-1]
+
+
+def _label(version: str) -> str:
+    if not isinstance(version, str):
+        raise TypeError(f"a weight version is a string (SGLang's weight_version), got "
+                        f"{version!r}")
+    return version

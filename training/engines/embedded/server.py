@@ -1,39 +1,59 @@
 """The embedded rollout server: SGLang's HTTP API (the subset RL uses) over the CPU engine loop.
 
 Run it with ``asyncrl engine serve --checkpoint DIR --port P`` (or ``python -m
-training.engines.embedded.server``). Endpoints, with SGLang 0.5.x field names:
+training.engines.embedded.server``). Endpoints, with SGLang 0.5.23's field names and JSON types
+(``sglang.srt.managers.io_struct``), so a client written against SGLang works unchanged:
 
-- ``POST /generate``: ``input_ids`` (or ``text``; a list of either is a batch), ``sampling_params``
-  (one object or one per batch item), ``return_logprob``, ``return_routed_experts``,
-  ``routed_experts_start_len``, ``rid``, ``stream`` (SSE, single request with n = 1). Answers
-  ``{text, output_ids, meta_info}``; a batch and/or n > 1 answers a list, request-major
-  (item i's samples at i·n … i·n + n − 1). ``meta_info``: ``id``, ``finish_reason``,
-  ``prompt_tokens``, ``completion_tokens``, ``weight_version``, ``output_token_weight_versions``,
-  ``output_token_logprobs`` ([logprob, token_id, null] per token), ``routed_experts`` (base64
-  int32, (P + O − 1 − start, L, k): every position whose next token was computed; (0, L, k)
-  for a request aborted while still queued), ``e2e_latency``. A ``text`` prompt is tokenised
-  with <bos> prepended. The whole body is validated before anything is queued: a malformed
-  field answers HTTP 400 ``{"error": {"message"}}`` naming the field and the fix.
-- ``POST /update_weights_from_disk`` {model_path, weight_version?, abort_all_requests?} →
-  {success, message}; a bad path keeps the old weights (HTTP 400, success false).
+- ``POST /generate`` (``GenerateReqInput``): ``input_ids`` (or ``text``; a list of either is a
+  batch), ``sampling_params`` (one object or one per batch item), ``return_logprob`` (bool or one
+  per item), ``logprob_start_len`` (int or one per item), ``return_text_in_logprobs``,
+  ``return_routed_experts``, ``routed_experts_start_len`` (in [0, prompt length]), ``rid`` (a
+  string; for a batch a prefix — item i is ``rid_i`` — or one distinct string per item),
+  ``stream`` (SSE, single request with n = 1). Answers ``{text, output_ids, meta_info}``; a batch
+  and/or n > 1 answers a list, request-major (item i's samples at i·n … i·n + n − 1).
+  ``meta_info``: ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+  ``weight_version`` (the label of the weights that produced the last token, as SGLang),
+  ``output_token_weight_versions`` (one label per output token), ``output_token_logprobs``
+  ([logprob, token_id, token text or null] per token), ``routed_experts`` (base64 int32,
+  (P + O − 1 − start, L, k): every position whose next token was computed; (0, L, k) for a
+  request aborted while still queued), ``e2e_latency``. A ``text`` prompt is tokenised with
+  <bos> prepended. The whole body is validated before anything is queued.
+- ``POST /update_weights_from_disk`` {model_path, weight_version?, abort_all_requests?,
+  load_format?, …} → {success, message, num_paused_requests}; a bad path keeps the old weights
+  (HTTP 400, success false).
 - ``POST /init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
   group_name, backend} → {success, message}: join a weight-broadcast group as rank
   ``rank_offset`` (gloo only: the server is CPU-only); ``POST /update_weights_from_distributed``
-  {names, dtypes, shapes, group_name, weight_version?, flush_cache?}: receive those tensors by
-  broadcast from rank 0 in list order and serve them (HF names; loaded as a checkpoint's would
-  be, in the server precision), reporting ``weight_version`` when given
-  (:mod:`training.engines.sglang.nccl_sync` is the sender); as in SGLang 0.5.23 only inside a
-  session opened by ``POST /begin_weight_update`` and closed by ``POST /end_weight_update``.
+  {names, dtypes, shapes, group_name, weight_version?, abort_all_requests?, …}: receive those
+  tensors by broadcast from rank 0 in list order and serve them (HF names; loaded as a
+  checkpoint's would be, in the server precision) (:mod:`training.engines.sglang.nccl_sync` is
+  the sender); as in SGLang 0.5.23 only inside a session opened by ``POST /begin_weight_update``
+  and closed by ``POST /end_weight_update``.
+- ``POST /update_weight_version`` {new_version, abort_all_requests} and ``GET
+  /get_weight_version``: relabel / read the served weights' version.
 - ``POST /pause_generation`` {mode: abort | retract | in_place}, ``POST /continue_generation``,
   ``POST /abort_request`` {rid | abort_all}, ``GET|POST /flush_cache`` (no prefix cache: no-op).
 - ``GET /health``, ``GET /health_generate`` (a one-token generation), ``GET /model_info``
   (= ``/get_model_info``), ``GET /server_info`` (= ``/get_server_info``; engine counters under
   ``internal_states``), ``GET /v1/models``, ``GET /get_load``.
 
-Departures from SGLang: weight versions are ints; an update applies between decode steps even to
-running requests (their later tokens carry the new version), without waiting for them to finish;
-input-token log-probs (``logprob_start_len``) are not returned; sampling parameters the engine
-does not implement (penalties, min_p, grammars) are rejected unless left at their neutral value.
+Weight versions are SGLang's opaque strings both ways (``"default"`` when the checkpoint names
+none; an asyncrl checkpoint names its ``asyncrl.json`` version, ``"7"``); the engine orders them
+by load (see :mod:`.engine`). A body is read with SGLang's types and JSON's own values only (a
+string is not a number or a boolean): a field of the wrong type, a missing required field, or a
+feature this engine does not implement asked for (top log-probs, hidden states, LoRA, images,
+penalties, grammars…) answers HTTP 400 with one line naming the field and the fix, in SGLang's
+error shape (``{"object": "error", "message", "type", "code"}``, plus ``error.message`` and, for
+the weight endpoints, ``success: false``). SGLang fields that change nothing on one CPU engine
+(routing, logging, priority, disaggregation, CUDA-graph and cache knobs) and unknown fields are
+ignored, as SGLang ignores unknown fields — so bodies rewritten by ``sglang-router`` and sent by
+``sglang.bench_serving`` work as they are.
+
+Departures from SGLang: an update applies between decode steps even to running requests (their
+later tokens carry the new version), without waiting for them to finish; input-token log-probs
+(``logprob_start_len`` ≥ 0 with ``return_logprob``) are not returned; a disk load that names no
+``weight_version`` reports the checkpoint's own (``asyncrl.json``) when it has one; strings such as
+``"true"`` or ``"7"`` are not read as booleans or numbers (SGLang's pydantic coerces them).
 """
 
 from __future__ import annotations
@@ -48,23 +68,25 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from training.engines.embedded.engine import RolloutEngineCore, Sequence, SequenceOutput
-from training.engines.hf_io import CheckpointError, load_hf_dir
+from training.engines.hf_io import META_FILE, CheckpointError, load_hf_dir
 from training.engines.model import CausalLM
 from training.engines.rollout import (
-    PAUSE_MODES,
     SamplingParams,
     brief_repr,
     encode_routed_experts,
+    weight_version_label,
 )
 from training.engines.sampling import PrecisionConfig, SequenceRandom, apply_precision
 from training.tasks.tokenizer import CharTokenizer
@@ -80,6 +102,8 @@ class ServerConfig:
     max_batch: most sequences decoded together.
     threads: torch intra-op threads (1 keeps several servers and a trainer off each other's cores).
     served_model_name: name reported by ``/v1/models`` (default: the checkpoint directory name).
+    weight_version: the served weights' version label (SGLang's ``--weight-version``; default:
+        the checkpoint's ``asyncrl.json`` version, else "default").
     """
 
     checkpoint: str
@@ -92,6 +116,7 @@ class ServerConfig:
     threads: int = 1
     served_model_name: str | None = None
     log_level: str = "warning"
+    weight_version: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.threads < 1:
@@ -105,11 +130,13 @@ class ServerConfig:
 
 
 def load_for_serving(path: str | Path, precision: PrecisionConfig
-                     ) -> tuple[CausalLM, CharTokenizer, int]:
+                     ) -> tuple[CausalLM, CharTokenizer, str | None]:
     """Load a checkpoint in fp32 and put it into the engine precision (CheckpointError on a bad
-    directory)."""
+    directory) → (model, tokenizer, the version label its ``asyncrl.json`` names, else None)."""
     ckpt = load_hf_dir(path, torch.float32)
-    return apply_precision(ckpt.model, precision), ckpt.tokenizer, ckpt.weight_version
+    named = (Path(path) / META_FILE).is_file()
+    label = weight_version_label(ckpt.weight_version) if named else None
+    return apply_precision(ckpt.model, precision), ckpt.tokenizer, label
 
 
 class ServerState:
@@ -137,8 +164,143 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    """An error answer: SGLang's ``ErrorResponse`` fields (what its validation errors answer),
+    ``error.message`` (OpenAI's shape) and ``extra`` (``success: false`` on weight endpoints)."""
+    return JSONResponse({**extra, "object": "error", "message": message,
+                         "type": HTTPStatus(status).phrase, "param": None, "code": status,
+                         "error": {"message": message}}, status_code=status)
+
+
+# ------------------------------------------------------------------------------------------------
+# request bodies: SGLang's io_struct types, strictly
+# ------------------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    """A control endpoint's JSON body with SGLang 0.5.23's field types (``io_struct``): a field
+    SGLang has but that changes nothing here is declared (so its type is checked) and ignored;
+    unknown fields are ignored, as SGLang ignores them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    rid: str | None = None  # BaseReq
+
+
+class _UpdateFromDisk(_Body):  # UpdateWeightFromDiskReqInput
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+
+
+class _InitWeightGroup(_Body):  # InitWeightsUpdateGroupReqInput
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class _UpdateFromDistributed(_Body):  # UpdateWeightsFromDistributedReqInput
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+
+class _WeightSession(_Body):  # Begin/EndWeightUpdateReqInput
+    selector: str | None = None
+
+
+class _UpdateWeightVersion(_Body):  # UpdateWeightVersionReqInput
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class _Pause(_Body):  # PauseGenerationReqInput
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class _Continue(_Body):  # ContinueGenerationReqInput
+    torch_empty_cache: bool = True
+
+
+class _Abort(_Body):  # AbortReq
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+
+
+class _FlushCache(_Body):  # FlushCacheReqInput
+    timeout_s: float | None = None
+
+
+# load formats that read this server's checkpoints (HF safetensors); SGLang's others (dummy,
+# gguf, bitsandbytes, …) do not apply
+_LOAD_FORMATS = (None, "auto", "safetensors")
+# a request that asks the load to keep generation paused afterwards: a load here never pauses
+_NO_KEEP_PAUSE = "keep_pause: a weight load here never pauses generation; omit it and call " \
+                 "/pause_generation"
+
+
+# endpoints whose SGLang answers carry `success` (also on a refusal here)
+_WEIGHT_PATHS = frozenset({
+    "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
+    "/begin_weight_update", "/end_weight_update", "/update_weight_version"})
+
+
+class BodyError(ValueError):
+    """A request body that cannot be served (HTTP 400); the message is one line naming the field
+    and the fix."""
+
+
+async def _read_json(request: Request) -> Any:
+    """The JSON body (an empty body is ``{}``, as SGLang's optional bodies)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise BodyError(f"body is not valid JSON ({e}); send a JSON object") from None
+
+
+async def _parse(request: Request, model: type[_Body]) -> Any:
+    """The body as ``model``; BodyError naming the first bad field."""
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise BodyError(f"the body must be a JSON object, got {brief_repr(body)}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise BodyError(_validation_message(e, model)) from None
+
+
+def _validation_message(e: ValidationError, model: type[_Body]) -> str:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    field = ".".join(str(p) for p in first["loc"]) or "body"
+    fields = ", ".join(name for name in model.model_fields if name != "rid")
+    if first["type"] == "missing":
+        problem = f"{field} is required"
+    else:
+        problem = f"{field}: {first['msg'][0].lower()}{first['msg'][1:]}, got " \
+                  f"{brief_repr(first.get('input'))}"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{problem}{more}; the fields are {fields} (SGLang's types)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,16 +325,61 @@ class _GenerateBody:
     stream: bool
     return_routes: bool
     routes_start: int
+    text_in_logprobs: bool
 
 
 _INPUT_IDS_SHAPE = "a list of token ids such as [1, 5, 6], or a list of such lists for a batch"
+
+# GenerateReqInput fields asking for what this engine does not compute: accepted at the value that
+# leaves them off (what SGLang's own clients send by default), refused otherwise, so an answer never
+# silently lacks what was asked for. name → what to do instead.
+_UNSUPPORTED_GENERATE_FIELDS: dict[str, str] = {
+    "input_embeds": "send input_ids or text",
+    "image_data": "the served model reads text only",
+    "video_data": "the served model reads text only",
+    "audio_data": "the served model reads text only",
+    "lora_path": "the server has no LoRA adapters",
+    "lora_id": "the server has no LoRA adapters",
+    "session_params": "the server keeps no sessions",
+    "custom_logit_processor": "the server runs no custom logit processors",
+    "positional_embed_overrides": "send input_ids or text",
+    "top_logprobs_num": "only the sampled tokens' log-probs are returned "
+                        "(output_token_logprobs)",
+    "token_ids_logprob": "only the sampled tokens' log-probs are returned "
+                         "(output_token_logprobs)",
+    "return_hidden_states": "hidden states are not returned",
+    "return_entropy": "entropies are not returned",
+    "return_sampling_mask": "sampling masks are not returned",
+    "return_prompt_token_ids": "the prompt is what was sent (text: <bos> + its characters)",
+    "return_flat_raw_top_logprobs": "top log-probs are not returned",
+    "return_flat_raw_top_logprobs_b64": "top log-probs are not returned",
+    "return_indexer_topk": "indexer top-k is not returned",
+    "return_bytes": "the engine generates text",
+    "require_reasoning": "the served model has no reasoning mode",
+    "max_thinking_tokens": "the served model has no reasoning mode",
+    "multi_item_delimiter_indices": "multi-item scoring is not served",
+}
+# Every other GenerateReqInput field changes nothing on one CPU engine and is ignored: routing
+# (routed_dp_rank, data_parallel_rank, routing_key, kv_router_hint, bootstrap_*,
+# disagg_prefill_dp_rank, decode_tp_size), bookkeeping (log_metrics, no_logs, custom_labels,
+# conversation_id, session_id, priority, extra_key, cache_salt, background,
+# external_trace_header, received_time, http_worker_ipc), multimodal detail and the ``model`` the
+# router adds.
+
+
+def _is_off(value: Any) -> bool:
+    """A field left at a value that asks for nothing (per batch item when a list)."""
+    if isinstance(value, list):
+        return all(_is_off(v) for v in value)
+    return value is None or value is False or value == "" or value == {} or (
+        isinstance(value, int) and value == 0)
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries for a batch of {count} prompts; "
-                             "send one value, or one per prompt")
+            raise BodyError(f"{name} has {len(value)} entries for a batch of {count} prompts; "
+                            "send one value, or one per prompt")
         return value
     return [value] * count
 
@@ -182,7 +389,7 @@ def _flag(value: Any, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {brief_repr(value)}")
+        raise BodyError(f"{name} must be true or false, got {brief_repr(value)}")
     return value
 
 
@@ -190,80 +397,109 @@ def _prompts(body: dict[str, Any], state: ServerState) -> tuple[list[list[int]],
     """→ (token-id prompts, batched) from ``input_ids`` or ``text``."""
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
-        raise ValueError("pass exactly one of input_ids or text")
+        raise BodyError("pass exactly one of input_ids or text")
     if has_text:
         raw = body["text"]
         if isinstance(raw, str):
             return [state.tokenizer.encode(raw, add_bos=True)], False
         if not (isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw)):
-            raise ValueError(f"text must be a string or a non-empty list of strings, got "
-                             f"{brief_repr(raw)}")
+            raise BodyError(f"text must be a string or a non-empty list of strings, got "
+                            f"{brief_repr(raw)}")
         return [state.tokenizer.encode(t, add_bos=True) for t in raw], True
     raw = body["input_ids"]
     if not isinstance(raw, list):
-        raise ValueError(f"input_ids must be {_INPUT_IDS_SHAPE}; got {brief_repr(raw)}")
+        raise BodyError(f"input_ids must be {_INPUT_IDS_SHAPE}; got {brief_repr(raw)}")
     batched = bool(raw) and isinstance(raw[0], list)
     prompts = raw if batched else [raw]
     vocab = state.core.config.vocab_size
     for i, prompt in enumerate(prompts):
         where = f"input_ids[{i}]" if batched else "input_ids"
         if not isinstance(prompt, list) or not prompt:
-            raise ValueError(f"{where} must be a non-empty list of token ids; input_ids must be "
-                             f"{_INPUT_IDS_SHAPE}")
+            raise BodyError(f"{where} must be a non-empty list of token ids; input_ids must be "
+                            f"{_INPUT_IDS_SHAPE}")
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"{where} holds {brief_repr(t)}: input_ids must be token ids "
-                                 f"in [0, {vocab}) (the model's vocab_size)")
+                raise BodyError(f"{where} holds {brief_repr(t)}: input_ids must be token ids "
+                                f"in [0, {vocab}) (the model's vocab_size)")
     return [list(p) for p in prompts], batched
 
 
-def _rid(value: Any, index: int) -> str:
+def _rids(value: Any, count: int, batched: bool) -> list[str]:
+    """Request ids as SGLang's ``_normalize_rid``: a batch's string is a prefix (item i is
+    ``rid_i``), a list names each item (distinct); none: fresh ids."""
     if value is None:
-        return uuid.uuid4().hex
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise ValueError(f"rid must be a string (or a list of one per prompt), got "
-                         f"{brief_repr(value)} for prompt {index}")
-    return str(value)
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(value, str):
+        return [f"{value}_{i}" for i in range(count)] if batched else [value]
+    if batched and isinstance(value, list) and all(isinstance(r, str) for r in value):
+        if len(value) != count:
+            raise BodyError(f"rid has {len(value)} ids for a batch of {count} prompts; send one "
+                            "per prompt, or one string as a prefix")
+        if len(set(value)) != count:
+            raise BodyError(f"rid holds duplicate ids {brief_repr(value)}; send distinct ones")
+        return list(value)
+    also = " or a list of one string per prompt" if batched else ""
+    raise BodyError(f"rid must be a string{also}, got {brief_repr(value)}")
+
+
+def _int_field(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BodyError(f"{name} must be an integer, got {brief_repr(value)}")
+    return value
 
 
 def _parse_generate(body: Any, state: ServerState) -> _GenerateBody:
-    """Validate a whole ``/generate`` body. Raises ValueError (HTTP 400) naming the field and the
+    """Validate a whole ``/generate`` body. Raises BodyError (HTTP 400) naming the field and the
     fix; nothing is queued until every field parsed."""
     cfg = state.core.config
     if not isinstance(body, dict):
-        raise ValueError(f'the body must be a JSON object such as {{"input_ids": [1, 5], '
-                         f'"sampling_params": {{}}}}, got {brief_repr(body)}')
+        raise BodyError(f'the body must be a JSON object such as {{"input_ids": [1, 5], '
+                        f'"sampling_params": {{}}}}, got {brief_repr(body)}')
+    for name, instead in _UNSUPPORTED_GENERATE_FIELDS.items():
+        if not _is_off(body.get(name)):
+            raise BodyError(f"{name}={brief_repr(body[name])} is not supported by this engine "
+                            f"({instead}); omit it")
     prompts, batched = _prompts(body, state)
     count = len(prompts)
     sampling = _per_item(body.get("sampling_params"), count, "sampling_params")
-    params = [SamplingParams.from_sglang(p) for p in sampling]
+    try:
+        params = [SamplingParams.from_sglang(p) for p in sampling]
+    except ValueError as e:
+        raise BodyError(str(e)) from None
     logprob = [_flag(v, "return_logprob")
                for v in _per_item(body.get("return_logprob"), count, "return_logprob")]
-    rids = [_rid(v, i) for i, v in enumerate(_per_item(body.get("rid"), count, "rid"))]
+    starts = [None if v is None else _int_field(v, "logprob_start_len")
+              for v in _per_item(body.get("logprob_start_len"), count, "logprob_start_len")]
+    for lp, start in zip(logprob, starts, strict=True):
+        if lp and start not in (None, -1):  # SGLang: -1 = output tokens only
+            raise BodyError(f"logprob_start_len={start}: input-token log-probs are not returned "
+                            "(they come from the trainer); send -1 or omit it")
+    rids = _rids(body.get("rid"), count, batched)
     return_routes = _flag(body.get("return_routed_experts"), "return_routed_experts")
     start = body.get("routed_experts_start_len")
     start = 0 if start is None else start
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"routed_experts_start_len must be an integer >= 0 (the first position "
-                         f"whose routes are returned; 0 = all), got {brief_repr(start)}")
+        raise BodyError(f"routed_experts_start_len must be an integer >= 0 (the first position "
+                        f"whose routes are returned; 0 = all), got {brief_repr(start)}")
     if return_routes and not cfg.is_moe:
-        raise ValueError("return_routed_experts: the served model is dense (no experts); omit "
-                         "it or serve an MoE checkpoint")
-    if body.get("logprob_start_len") not in (None, -1):
-        raise ValueError("logprob_start_len is not supported: input-token log-probs come from "
-                         "the trainer; omit it")
+        raise BodyError("return_routed_experts: the served model is dense (no experts); omit "
+                        "it or serve an MoE checkpoint")
+    text_in_logprobs = _flag(body.get("return_text_in_logprobs"), "return_text_in_logprobs")
     stream = _flag(body.get("stream"), "stream")
     if stream and (batched or params[0].n != 1):
-        raise ValueError("stream supports one prompt with n = 1; send a batch or n > 1 without "
-                         "stream")
+        raise BodyError("stream supports one prompt with n = 1; send a batch or n > 1 without "
+                        "stream")
     for i, prompt in enumerate(prompts):
         if len(prompt) >= cfg.max_position_embeddings:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens and leaves no room to "
-                             f"generate: the context length is {cfg.max_position_embeddings}; "
-                             "shorten it")
+            raise BodyError(f"prompt {i} has {len(prompt)} tokens and leaves no room to "
+                            f"generate: the context length is {cfg.max_position_embeddings}; "
+                            "shorten it")
+        if return_routes and start > len(prompt):  # SGLang: in [0, prompt_tokens]
+            raise BodyError(f"routed_experts_start_len {start} is past prompt {i} "
+                            f"({len(prompt)} tokens); it must be in [0, prompt length]")
     items = [_Item(prompt, p, rid, lp)
              for prompt, p, lp, rid in zip(prompts, params, logprob, rids, strict=True)]
-    return _GenerateBody(items, batched, stream, return_routes, start)
+    return _GenerateBody(items, batched, stream, return_routes, start, text_in_logprobs)
 
 
 def _sequences(req: _GenerateBody, state: ServerState) -> list[Sequence]:
@@ -283,7 +519,10 @@ def _sequences(req: _GenerateBody, state: ServerState) -> list[Sequence]:
     return seqs
 
 
-def _format(out: SequenceOutput, return_logprob: bool, final: bool = True) -> dict[str, Any]:
+def _format(out: SequenceOutput, return_logprob: bool, tokenizer: CharTokenizer | None,
+            final: bool = True) -> dict[str, Any]:
+    """One answer object; ``tokenizer``: decode each output token into its log-prob entry
+    (``return_text_in_logprobs``), else null there."""
     meta: dict[str, Any] = {
         "id": out.rid, "finish_reason": out.finish if final else None,
         "prompt_tokens": len(out.prompt_ids), "completion_tokens": len(out.output_ids),
@@ -292,8 +531,10 @@ def _format(out: SequenceOutput, return_logprob: bool, final: bool = True) -> di
         "e2e_latency": out.finished - out.created,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
-                                         zip(out.logprobs, out.output_ids, strict=True)]
+        meta["output_token_logprobs"] = [
+            [lp, t, None if tokenizer is None else tokenizer.decode([t],
+                                                                    skip_special_tokens=False)]
+            for lp, t in zip(out.logprobs, out.output_ids, strict=True)]
     if out.routes is not None:
         meta["routed_experts"] = encode_routed_experts(out.routes)
     return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
@@ -312,17 +553,14 @@ async def _wait_all(request: Request, seqs: list[Sequence], core: RolloutEngineC
     return [s.future.result() for s in seqs]
 
 
-def _stream(seq: Sequence, item: _Item, core: RolloutEngineCore) -> StreamingResponse:
+def _stream(seq: Sequence, item: _Item, core: RolloutEngineCore,
+            tokenizer: CharTokenizer | None) -> StreamingResponse:
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     def on_step(s: Sequence) -> None:  # engine thread: snapshot, then hand to the event loop
-        snap = SequenceOutput(
-            rid=s.rid, prompt_ids=s.prompt_ids, output_ids=list(s.output_ids),
-            logprobs=list(s.logprobs), token_versions=list(s.token_versions), finish={},
-            weight_version=s.token_versions[-1], routes=None,
-            text=core.tokenizer.decode(s.output_ids), created=s.created, finished=time.time())
-        loop.call_soon_threadsafe(updates.put_nowait, _format(snap, item.return_logprob, False))
+        snap = _format(core.snapshot(s, {}), item.return_logprob, tokenizer, final=False)
+        loop.call_soon_threadsafe(updates.put_nowait, snap)
 
     seq.on_step = on_step
     seq.future.add_done_callback(lambda _: loop.call_soon_threadsafe(updates.put_nowait, None))
@@ -332,7 +570,7 @@ def _stream(seq: Sequence, item: _Item, core: RolloutEngineCore) -> StreamingRes
             while (chunk := await updates.get()) is not None:
                 yield f"data: {json.dumps(chunk)}\n\n"
             try:
-                final = _format(seq.future.result(), item.return_logprob)
+                final = _format(seq.future.result(), item.return_logprob, tokenizer)
             except Exception as e:
                 final = {"error": {"message": str(e)}}
             yield f"data: {json.dumps(final)}\n\n"
@@ -354,23 +592,27 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="asyncrl embedded rollout engine", version=_version())
     core = state.core
 
-    @app.post("/generate")
+    @app.exception_handler(BodyError)
+    async def body_error(request: Request, e: BodyError):
+        extra = {"success": False} if request.url.path in _WEIGHT_PATHS else {}
+        return _error(400, str(e), **extra)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         try:
-            body = await request.json()
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            return _error(400, f"body is not valid JSON ({e}); send a JSON object")
-        try:
-            req = _parse_generate(body, state)
-        except ValueError as e:
-            return _error(400, str(e))
+            req = _parse_generate(await _read_json(request), state)
+        except BodyError:
+            raise
+        except ValueError as e:  # e.g. a text character the tokenizer does not know
+            raise BodyError(str(e)) from None
         except (TypeError, KeyError, IndexError, AttributeError) as e:  # a shape not foreseen
-            return _error(400, f"malformed /generate body ({type(e).__name__}: {e}); see the "
-                               "SGLang /generate fields")
+            raise BodyError(f"malformed /generate body ({type(e).__name__}: {e}); see SGLang's "
+                            "GenerateReqInput fields") from None
         seqs = _sequences(req, state)
         items, batched = req.items, req.batched
+        tokenizer = state.tokenizer if req.text_in_logprobs else None
         if req.stream:
-            response = _stream(seqs[0], items[0], core)
+            response = _stream(seqs[0], items[0], core, tokenizer)
             core.submit(seqs)
             return response
         core.submit(seqs)
@@ -383,62 +625,62 @@ def create_app(state: ServerState) -> FastAPI:
         n_per = [it.params.n for it in items]
         lp_flags = [it.return_logprob for it, n in zip(items, n_per, strict=True)
                     for _ in range(n)]
-        results = [_format(o, lp) for o, lp in zip(outs, lp_flags, strict=True)]
+        results = [_format(o, lp, tokenizer) for o, lp in zip(outs, lp_flags, strict=True)]
         if not batched and n_per[0] == 1:
             return JSONResponse(results[0])
         return JSONResponse(results)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-        body = await _json_or_empty(request)
-        path = body.get("model_path")
+        body = await _parse(request, _UpdateFromDisk)
+        path = body.model_path
         if not path:
-            return JSONResponse({"success": False, "message": "model_path is required"}, 400)
+            raise BodyError("model_path is required: the checkpoint directory to load")
+        if body.load_format not in _LOAD_FORMATS:
+            raise BodyError(f"load_format {body.load_format!r}: this server loads HF safetensors "
+                            "checkpoints; send auto or omit it")
+        if body.keep_pause:
+            raise BodyError(_NO_KEEP_PAUSE)
         async with state.update_lock:
             try:
-                model, _, ckpt_version = await asyncio.get_running_loop().run_in_executor(
+                model, _, ckpt_label = await asyncio.get_running_loop().run_in_executor(
                     None, load_for_serving, path, core.precision)
-                new_version = (int(body["weight_version"])
-                               if body.get("weight_version") is not None else ckpt_version)
                 await asyncio.wrap_future(core.swap_weights(
-                    model, new_version, bool(body.get("abort_all_requests", False))))
-            except (CheckpointError, ValueError, TypeError) as e:
+                    model, body.weight_version or ckpt_label, body.abort_all_requests))
+            except (CheckpointError, ValueError) as e:
                 return JSONResponse({"success": False, "message": (
                     f"failed to load weights from {path}: {e}; still serving weight_version "
-                    f"{core.weight_version} from {state.model_path}")}, status_code=400)
+                    f"{core.weight_version} from {state.model_path}"),
+                    "num_paused_requests": 0}, status_code=400)
             state.model_path = str(Path(path).resolve())
         return {"success": True, "message": f"loaded {state.model_path} as weight_version "
                                             f"{core.weight_version}", "num_paused_requests": 0}
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):
-        body = await _json_or_empty(request)
-        try:
-            args = (str(body["master_address"]), int(body["master_port"]),
-                    int(body["rank_offset"]), int(body["world_size"]))
-            name, backend = str(body.get("group_name", "")), str(body.get("backend", "gloo"))
-        except (KeyError, TypeError, ValueError) as e:
-            return JSONResponse({"success": False, "message": (
-                f"malformed body ({type(e).__name__}: {e}); send master_address, master_port, "
-                "rank_offset, world_size, group_name, backend")}, 400)
-        if backend != "gloo":
-            return JSONResponse({"success": False, "message": (
-                f"backend {backend!r}: the embedded server runs on CPU; use backend gloo")}, 400)
+        body = await _parse(request, _InitWeightGroup)
+        if body.backend != "gloo":
+            raise BodyError(f"backend {body.backend!r}: the embedded server runs on CPU; use "
+                            "backend gloo")
         from training.engines.sglang.nccl_sync import new_weight_group
 
+        name = body.group_name
         try:
             group = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: new_weight_group(*args, group_name=name, backend=backend,
-                                               timeout_s=120.0))
+                None, lambda: new_weight_group(
+                    body.master_address, body.master_port, body.rank_offset, body.world_size,
+                    group_name=name, backend=body.backend, timeout_s=120.0))
         except Exception as e:  # rendezvous timeout, refused connection
             return JSONResponse({"success": False, "message": (
-                f"could not join weight group {name!r} at {args[0]}:{args[1]}: "
-                f"{type(e).__name__}: {e}")}, 500)
+                f"could not join weight group {name!r} at {body.master_address}:"
+                f"{body.master_port}: {type(e).__name__}: {e}")}, 500)
         state.weight_groups[name] = group
-        return {"success": True, "message": f"joined weight group {name!r} as rank {args[2]}"}
+        return {"success": True,
+                "message": f"joined weight group {name!r} as rank {body.rank_offset}"}
 
     @app.post("/begin_weight_update")
-    async def begin_weight_update():
+    async def begin_weight_update(request: Request):
+        _only_target(await _parse(request, _WeightSession))
         if state.weight_session:
             return JSONResponse({"success": False, "message": (
                 "a weight-update session is already open; call /end_weight_update first")}, 400)
@@ -446,7 +688,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"success": True, "message": "weight-update session open"}
 
     @app.post("/end_weight_update")
-    async def end_weight_update():
+    async def end_weight_update(request: Request):
+        _only_target(await _parse(request, _WeightSession))
         if not state.weight_session:
             return JSONResponse({"success": False, "message": (
                 "no weight-update session is open; call /begin_weight_update first")}, 400)
@@ -455,33 +698,28 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
-        body = await _json_or_empty(request)
+        body = await _parse(request, _UpdateFromDistributed)
         if not state.weight_session:  # as SGLang (0.5.23): only inside a session
             return JSONResponse({"success": False, "message": (
                 "update_weights_from_distributed must run between /begin_weight_update and "
                 "/end_weight_update")}, 400)
-        name = str(body.get("group_name", ""))
+        name = body.group_name
         group = state.weight_groups.get(name)
         if group is None:
             return JSONResponse({"success": False, "message": (
                 f"no weight group {name!r}; call /init_weights_update_group first")}, 400)
-        try:
-            names = [str(n) for n in body["names"]]
-            dtypes = [getattr(torch, str(d)) for d in body["dtypes"]]
-            shapes = [[int(x) for x in shp] for shp in body["shapes"]]
-            if not len(names) == len(dtypes) == len(shapes) or not all(
-                    isinstance(d, torch.dtype) for d in dtypes):
-                raise ValueError("names, dtypes and shapes must be lists of the same length")
-            version = body.get("weight_version")
-            version = None if version is None else int(version)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            return JSONResponse({"success": False, "message": (
-                f"malformed body ({type(e).__name__}: {e})")}, 400)
+        names = body.names
+        dtypes = [getattr(torch, d, None) for d in body.dtypes]
+        if not len(names) == len(dtypes) == len(body.shapes):
+            raise BodyError("names, dtypes and shapes must be lists of the same length")
+        for d, dtype in zip(body.dtypes, dtypes, strict=True):
+            if not isinstance(dtype, torch.dtype):
+                raise BodyError(f"dtypes holds {d!r}, not a torch dtype name such as bfloat16")
         async with state.update_lock:
             def receive() -> list[torch.Tensor]:
                 import torch.distributed as dist
 
-                tensors = [torch.empty(shp, dtype=d) for shp, d in zip(shapes, dtypes,
+                tensors = [torch.empty(shp, dtype=d) for shp, d in zip(body.shapes, dtypes,
                                                                        strict=True)]
                 for t in tensors:  # the sender broadcasts in list order
                     dist.broadcast(t, src=0, group=group)
@@ -494,7 +732,7 @@ def create_app(state: ServerState) -> FastAPI:
                     None, _with_weights, core.model, dict(zip(names, tensors, strict=True)),
                     core.precision)
                 await asyncio.wrap_future(core.swap_weights(
-                    model, core.weight_version if version is None else version))
+                    model, body.weight_version, body.abort_all_requests))
             except (RuntimeError, ValueError, KeyError) as e:
                 return JSONResponse({"success": False, "message": (
                     f"weight update over group {name!r} failed: {e}; still serving "
@@ -503,33 +741,47 @@ def create_app(state: ServerState) -> FastAPI:
         return {"success": True, "message": f"loaded {len(names)} tensors as weight_version "
                                             f"{core.weight_version}"}
 
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await _parse(request, _UpdateWeightVersion)
+        async with state.update_lock:  # the same weights, as a new load under the new label
+            await asyncio.wrap_future(core.swap_weights(None, body.new_version,
+                                                        body.abort_all_requests))
+        return {"success": True, "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": core.weight_version}
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        body = await _json_or_empty(request)
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return _error(400, f"mode {mode!r} is not one of {list(PAUSE_MODES)}")
+        mode = (await _parse(request, _Pause)).mode
         count = await asyncio.wrap_future(core.pause(mode))
-        return {"success": True, "message": f"paused ({mode}); {count} running requests affected"}
+        return {"success": True, "status": "ok",
+                "message": f"paused ({mode}); {count} running requests affected"}
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    async def continue_generation(request: Request):
+        await _parse(request, _Continue)
         await asyncio.wrap_future(core.resume())
-        return {"success": True, "message": "generation continued"}
+        return {"success": True, "status": "ok", "message": "generation continued"}
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await _json_or_empty(request)
-        if body.get("abort_all"):
+        body = await _parse(request, _Abort)
+        if body.abort_all:
             count = await asyncio.wrap_future(core.abort(None))
-        elif body.get("rid"):
-            count = await asyncio.wrap_future(core.abort(str(body["rid"])))
-        else:
-            return _error(400, "pass rid or abort_all: true")
+        elif body.rid:
+            count = await asyncio.wrap_future(core.abort(body.rid))
+        else:  # SGLang's AbortReq defaults: nothing to abort
+            return {"success": True, "aborted": 0,
+                    "message": "nothing aborted: pass rid or abort_all: true"}
         return {"success": True, "aborted": count}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        await _parse(request, _FlushCache)
         return {"success": True, "message": "no prefix cache to flush"}
 
     @app.get("/health")
@@ -603,6 +855,12 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _only_target(body: _WeightSession) -> None:
+    if body.selector not in (None, "all", "target"):  # SGLang: all | target | draft
+        raise BodyError(f"selector {body.selector!r}: the embedded server serves one model (no "
+                        "draft); send all, target or omit it")
+
+
 def _with_weights(model: CausalLM, weights: dict[str, torch.Tensor],
                   precision: PrecisionConfig) -> CausalLM:
     """A copy of the served ``model`` with ``weights`` (HF names, any dtype) loaded as a
@@ -622,17 +880,6 @@ def _with_weights(model: CausalLM, weights: dict[str, torch.Tensor],
     return apply_precision(new, precision)
 
 
-async def _json_or_empty(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
 # ------------------------------------------------------------------------------------------------
 # entry points
 # ------------------------------------------------------------------------------------------------
@@ -641,8 +888,9 @@ async def _json_or_empty(request: Request) -> dict[str, Any]:
 def build_state(cfg: ServerConfig) -> ServerState:
     """Load the checkpoint (CheckpointError on a bad one) and start the engine loop."""
     torch.set_num_threads(cfg.threads)
-    model, tokenizer, weight_version = load_for_serving(cfg.checkpoint, cfg.precision)
-    core = RolloutEngineCore(model, tokenizer, cfg.precision, weight_version=weight_version,
+    model, tokenizer, ckpt_label = load_for_serving(cfg.checkpoint, cfg.precision)
+    label = cfg.weight_version or ckpt_label or "default"  # SGLang's label before any load
+    core = RolloutEngineCore(model, tokenizer, cfg.precision, weight_version=label,
                              max_batch=cfg.max_batch).start()
     return ServerState(cfg, core)
 
@@ -750,6 +998,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--weight-version", default=None,
+                        help="version label of the served weights, as SGLang's (default: the "
+                             "checkpoint's asyncrl.json version, else 'default')")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is gone (a driver that started the server "
                              "and was killed without stopping it)")
@@ -786,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ServerConfig(checkpoint=a.checkpoint, host=a.host, port=a.port, dtype=a.dtype,
                            logit_noise=a.logit_noise, seed=a.seed, max_batch=a.max_batch,
                            threads=a.threads, served_model_name=a.served_model_name,
-                           log_level=a.log_level)
+                           log_level=a.log_level, weight_version=a.weight_version)
         serve(cfg)
     except (CheckpointError, ServerStartError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from training.engines.rollout import ModelInfo
+from training.engines.rollout import ModelInfo, weight_version_label
 from training.engines.sglang.launch import ServerSpec, server_command, server_env
 from training.engines.sglang.process import ServerExitedError, ServerProcess, ServerStartTimeout
 from training.recipe import Recipe
@@ -287,7 +287,8 @@ class SGLangEngineActor:
 
     def _push_weights(self, path: str, version: int) -> dict[str, Any]:
         resp = httpx.post(self.url + "/update_weights_from_disk",
-                          json={"model_path": path, "weight_version": str(version)},
+                          json={"model_path": path,
+                                "weight_version": weight_version_label(version)},
                           timeout=max(60.0, self.startup_timeout_s))
         try:
             data = resp.json()

@@ -39,6 +39,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from training.engines.rollout import weight_version_label
 from training.recipe import Recipe
 
 __all__ = [
@@ -111,7 +112,7 @@ def server_args(recipe: Recipe, spec: ServerSpec) -> list[str]:
         "--mem-fraction-static", repr(float(s.mem_fraction_static)),
         "--dtype", "bfloat16",
         "--skip-tokenizer-init",
-        "--weight-version", str(int(spec.weight_version)),
+        "--weight-version", weight_version_label(int(spec.weight_version)),
         "--random-seed", str(recipe.seed + spec.index),
         "--max-running-requests", str(recipe.engines.max_batch),
     ]

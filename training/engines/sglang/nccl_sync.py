@@ -48,6 +48,8 @@ from typing import Any
 
 import httpx
 
+from training.engines.rollout import weight_version_label
+
 __all__ = [
     "NcclSyncError", "NcclWeightSync", "TrainerNcclPusher", "bucket_by_bytes", "hf_weights_of",
     "init_group_payload", "new_weight_group", "update_payload",
@@ -85,7 +87,7 @@ def update_payload(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence
                             "shapes": [[int(d) for d in s] for s in shapes],
                             "group_name": group_name, "flush_cache": bool(flush_cache)}
     if weight_version is not None:
-        body["weight_version"] = str(int(weight_version))
+        body["weight_version"] = weight_version_label(int(weight_version))
     return body
 
 

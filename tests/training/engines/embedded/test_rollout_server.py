@@ -104,7 +104,7 @@ def test_generate_answers_sglang_fields_with_logprobs(servers):
     assert meta["finish_reason"]["type"] in ("stop", "length")
     if meta["finish_reason"]["type"] == "stop":
         assert out["output_ids"][-1] == meta["finish_reason"]["matched"] == 2  # eos
-    assert meta["weight_version"] == 0 and meta["output_token_weight_versions"] == [0] * o
+    assert meta["weight_version"] == "0" and meta["output_token_weight_versions"] == ["0"] * o
     assert out["text"] == CharTokenizer().decode(out["output_ids"])
     # a text prompt is tokenised with <bos> prepended
     by_text = _gen(servers["dense"], prompt=None, text="3+4+1=",
@@ -277,23 +277,23 @@ def test_weight_update_changes_outputs_and_a_bad_path_keeps_the_old_weights(serv
     greedy = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
     before = _gen(url, sampling_params=greedy)
     try:
-        r = _update(url, ckpts["dense_b"], version=5)
+        r = _update(url, ckpts["dense_b"], version="5")
         assert r.status_code == 200 and r.json()["success"] is True
         after = _gen(url, sampling_params=greedy)
         assert after["output_ids"] != before["output_ids"]
-        assert after["meta_info"]["weight_version"] == 5
-        assert after["meta_info"]["output_token_weight_versions"] == [5] * 20
-        assert HTTP.get(url + "/model_info").json()["weight_version"] == 5
+        assert after["meta_info"]["weight_version"] == "5"
+        assert after["meta_info"]["output_token_weight_versions"] == ["5"] * 20
+        assert HTTP.get(url + "/model_info").json()["weight_version"] == "5"
         (tmp_path / "empty").mkdir()
         for bad in (tmp_path / "missing", tmp_path / "empty"):
-            r = _update(url, bad, version=6)
+            r = _update(url, bad, version="6")
             body = r.json()
             assert r.status_code == 400 and body["success"] is False
             assert str(bad) in body["message"] and "still serving weight_version 5" in \
                 body["message"]
         again = _gen(url, sampling_params=greedy)
         assert again["output_ids"] == after["output_ids"]
-        assert again["meta_info"]["weight_version"] == 5
+        assert again["meta_info"]["weight_version"] == "5"
     finally:
         r = _update(url, ckpts["dense"])  # version from the checkpoint's asyncrl.json: 0
         assert r.json()["success"] is True
@@ -314,7 +314,7 @@ def test_pause_in_place_holds_requests_and_an_update_while_paused_shows_per_toke
             time.sleep(0.3)
             assert _state(url)["generated_tokens"] == held["generated_tokens"]  # no steps
             assert not fut.done()
-            assert _update(url, ckpts["dense_b"], version=7).json()["success"] is True
+            assert _update(url, ckpts["dense_b"], version="7").json()["success"] is True
             HTTP.post(url + "/continue_generation", json={})
             out = fut.result(timeout=60)
     finally:
@@ -323,8 +323,9 @@ def test_pause_in_place_holds_requests_and_an_update_while_paused_shows_per_toke
     meta = out["meta_info"]
     versions = meta["output_token_weight_versions"]
     assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 200
-    assert meta["weight_version"] == 7 and versions[0] == 0 and versions[-1] == 7
-    assert sorted(versions) == versions  # old-version tokens, then new-version tokens
+    assert meta["weight_version"] == "7" and versions[0] == "0" and versions[-1] == "7"
+    switch = versions.index("7")  # old-version tokens, then new-version tokens
+    assert set(versions[:switch]) == {"0"} and set(versions[switch:]) == {"7"}
 
 
 def test_pause_abort_returns_partial_output_and_queues_new_requests(servers):

@@ -106,6 +106,6 @@ def test_logprobs_of_other_tokens_and_wrong_layouts_are_refused():
         GenerateResult.from_sglang(bad, [1])
     with pytest.raises(RolloutEngineError, match="not a multiple"):
         decode_routed_experts(_b64_int32([1, 2, 3]), num_layers=1, top_k=2)
-    with pytest.raises(RolloutEngineError, match="not an integer"):
+    with pytest.raises(RolloutEngineError, match="a label asyncrl did not give"):
         GenerateResult.from_sglang({"output_ids": [], "meta_info": {
             "weight_version": "step-3"}}, [1])

@@ -76,17 +76,17 @@ def test_pushed_weights_serve_like_the_same_weights_from_disk(servers):
         assert info["world_size"] == 2 and info["group_name"] == "asyncrl-weights-1"
         report = pusher.push(_Engine(1), 5)
         assert report.buckets > 1 and report.version == 5
-        assert httpx.get(pushed + "/model_info").json()["weight_version"] == 5
+        assert httpx.get(pushed + "/model_info").json()["weight_version"] == "5"
         after, want = _greedy(pushed), _greedy(from_disk)
         assert after["output_ids"] == want["output_ids"] != before["output_ids"]
         assert after["meta_info"]["output_token_logprobs"] == \
             want["meta_info"]["output_token_logprobs"]
-        assert set(after["meta_info"]["output_token_weight_versions"]) == {5}
+        assert set(after["meta_info"]["output_token_weight_versions"]) == {"5"}
 
         # a new group (what the runtime makes after an engine restart) replaces the old one
         pusher.init([pushed], 1, "asyncrl-weights-2", "127.0.0.1", backend="gloo")
         pusher.push(_Engine(0), 6)
-        assert httpx.get(pushed + "/model_info").json()["weight_version"] == 6
+        assert httpx.get(pushed + "/model_info").json()["weight_version"] == "6"
         assert _greedy(pushed)["output_ids"] == before["output_ids"]
     finally:
         pusher.close()
