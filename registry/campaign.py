@@ -10,22 +10,39 @@ pass) or ``best_eval`` (the passing candidate with the highest final ``eval/rewa
 
 Everything is validated when the file is loaded — including every candidate's recipe, built by
 applying the overrides in order — so a typo in stage 4 fails before stage 1 runs. Errors are one
-line naming the field and the fix (:class:`CampaignError`).
+line naming the field and the fix (:class:`CampaignError`), whatever the file holds (issue 13):
+it is read as plain data by :func:`training.yamlfile.read_yaml`, overrides and gate parameters
+must be plain data, names that become paths or aliases match
+:data:`training.recipe.NAME_PATTERN`, and the ladder is bounded (100 stages, 100 candidates a
+stage). Loading reads the campaign and its base recipe and writes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from training.recipe import Recipe, RecipeError, apply_overrides, recipe_from_dict
-from training.yamlfile import format_validation_error, read_yaml, require_mapping
+from training.recipe import (
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    check_path_name,
+    recipe_from_dict,
+)
+from training.yamlfile import (
+    PlainDataError,
+    YamlOptInt,
+    describe,
+    format_validation_error,
+    plain_copy,
+    read_yaml,
+    require_mapping,
+)
 
 __all__ = [
     "Campaign",
@@ -37,21 +54,24 @@ __all__ = [
     "load_campaign",
 ]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
 class CampaignError(ValueError):
     """A campaign that cannot be used; the message names the field and the fix (one line)."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _check_name(v: str, what: str) -> str:
-    if not _NAME.match(v):
-        raise ValueError(f"{what} {v!r} must be 1-64 letters, digits, '_', '.' or '-', starting "
-                         "with a letter or digit")
+    return check_path_name(v, what)
+
+
+def _plain(v: dict[str, Any]) -> dict[str, Any]:
+    """``v`` if it is plain data (strings, numbers, true/false, null, lists, mappings)."""
+    try:
+        plain_copy(v)
+    except PlainDataError as err:
+        raise ValueError(str(err)) from None
     return v
 
 
@@ -65,6 +85,8 @@ class GateSpec(_Strict):
     relative_to: str | None = Field(None, description=(
         "An earlier stage whose promoted run is the reference (e.g. 'logprob diff ≤ 1.5 × the "
         "baseline stage's level'). None: absolute thresholds."))
+
+    _params = field_validator("params")(_plain)
 
     @model_validator(mode="after")
     def _known(self) -> GateSpec:
@@ -85,6 +107,8 @@ class Candidate(_Strict):
         "Recipe overrides (nested mappings or dotted keys, e.g. {algorithm.routing_replay: r3})."))
     description: str = Field("", description="What the candidate tries (for reports).")
 
+    _overrides = field_validator("overrides")(_plain)
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -101,15 +125,17 @@ class Stage(_Strict):
         "Overrides applied to the previous stage's promoted recipe (the base recipe for the "
         "first stage) before each candidate's own overrides."))
     candidates: list[Candidate] = Field(default_factory=lambda: [Candidate(name="default")],
-                                        min_length=1, description=(
+                                        min_length=1, max_length=100, description=(
         "Candidates in the order they are tried and listed (first_passing follows it)."))
-    gates: list[GateSpec] = Field(default_factory=list, description="Gates every candidate "
-                                  "must pass to be promotable.")
+    gates: list[GateSpec] = Field(default_factory=list, max_length=100, description=(
+        "Gates every candidate must pass to be promotable."))
     promotion: Literal["first_passing", "best_eval"] = Field("first_passing", description=(
         "first_passing: the first candidate (listed order) that passes every gate; best_eval: the "
         "passing candidate with the highest final eval/reward_mean."))
-    steps: int | None = Field(None, ge=1, le=1_000_000, description=(
+    steps: YamlOptInt = Field(None, ge=1, le=1_000_000, description=(
         "Trainer steps of each candidate (None: the recipe's steps)."))
+
+    _overrides = field_validator("overrides")(_plain)
 
     @field_validator("name")
     @classmethod
@@ -134,12 +160,25 @@ class Campaign(_Strict):
     base: str | dict[str, Any] = Field(description=(
         "The base recipe: a path to a recipe YAML (relative to the campaign file) or an inline "
         "recipe mapping."))
-    stages: list[Stage] = Field(min_length=1, description="The ladder, in order.")
+    stages: list[Stage] = Field(min_length=1, max_length=100, description=(
+        "The ladder, in order."))
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         return _check_name(v, "campaign name")
+
+    @field_validator("base", mode="before")
+    @classmethod
+    def _base(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v or not v.isprintable():
+                raise ValueError("must be the path of a recipe file, without control characters")
+            return v
+        if isinstance(v, Mapping):
+            return _plain(dict(v))
+        raise ValueError("must be the path of a recipe file (relative to the campaign file) or an "
+                         f"inline recipe mapping, got {describe(v)}")
 
     @model_validator(mode="after")
     def _stages(self) -> Campaign:
@@ -171,18 +210,19 @@ class Campaign(_Strict):
         data) + the stage's overrides + the candidate's; ``checkpoint`` (the previous stage's
         promoted HF checkpoint) replaces the model; the stage's ``steps`` wins. The name is
         ``<campaign>/<stage>/<candidate>``."""
-        data = apply_overrides(base, stage.overrides)
-        data = apply_overrides(data, candidate.overrides)
-        if checkpoint is not None:
-            data["model"] = {"kind": "checkpoint", "path": str(checkpoint)}
-        if stage.steps is not None:
-            data["steps"] = stage.steps
-        data["name"] = f"{self.name}/{stage.name}/{candidate.name}"
         where = f"stage {stage.name!r} candidate {candidate.name!r}"
         try:
+            data = apply_overrides(base, stage.overrides)
+            data = apply_overrides(data, candidate.overrides)
+            if checkpoint is not None:
+                data["model"] = {"kind": "checkpoint", "path": str(checkpoint)}
+            if stage.steps is not None:
+                data["steps"] = stage.steps
+            data["name"] = f"{self.name}/{stage.name}/{candidate.name}"
             return recipe_from_dict(data, where)
         except RecipeError as e:
-            raise CampaignError(str(e)) from None
+            msg = str(e)
+            raise CampaignError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
     def spec_hash(self) -> str:
         """Identity of the campaign's content (stable across processes)."""
@@ -231,8 +271,11 @@ def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | N
     except ValidationError as err:
         raise CampaignError(format_validation_error(err, source, "asyncrl schema campaign")
                             ) from None
-    base = resolve_base(campaign, source_dir or Path.cwd())
-    validate_ladder(campaign, base)
+    try:
+        base = resolve_base(campaign, source_dir or Path.cwd())
+        validate_ladder(campaign, base)
+    except CampaignError as err:  # name the campaign file too
+        raise CampaignError(f"{source}: {err}") from None
     return campaign, base
 
 

@@ -24,7 +24,16 @@ estimators, presets and tasks are checked against the algorithm/task registries 
 the valid ones. :func:`recipe_hash` is the stable identity of a recipe (the ``name`` and
 ``description`` are labels and do not count).
 
-This module imports pydantic, yaml and the registries only (no torch model code, no Ray).
+Hostile input (issue 13): a recipe file is read by :func:`training.yamlfile.read_yaml` (plain data
+only, no aliases, bounded size and depth); every integer field has an upper bound, no float field
+takes ``.inf``/``.nan``, a boolean field takes only true/false and a number field never a
+boolean; ``task.args`` and overrides are plain data (:func:`apply_overrides` copies them without a
+JSON round trip); the ``name``, which names the run directory, matches :data:`NAME_PATTERN` per
+``/``-separated part (a campaign's candidates are ``<campaign>/<stage>/<candidate>``), so it can
+never step out of ``$ASYNCRL_HOME/runs``. Every problem is one :class:`RecipeError` line.
+
+This module imports pydantic, yaml and — only for a name outside :data:`_KNOWN_NAMES` — the
+registries (torch); checking a recipe of known names needs no torch (``asyncrl validate``).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -46,14 +56,29 @@ from pydantic import (
     model_validator,
 )
 
-from training.yamlfile import UnionTags, format_validation_error, read_yaml, require_mapping
+from training.yamlfile import (
+    PlainDataError,
+    UnionTags,
+    YamlBool,
+    YamlFloat,
+    YamlInt,
+    YamlOptFloat,
+    YamlOptInt,
+    format_validation_error,
+    plain_copy,
+    read_yaml,
+    require_mapping,
+    short_repr,
+)
 
 __all__ = [
+    "NAME_PATTERN",
     "AlgorithmConfig",
     "AsyncConfig",
     "Recipe",
     "RecipeError",
     "apply_overrides",
+    "check_path_name",
     "load_recipe",
     "recipe_from_dict",
     "recipe_hash",
@@ -66,7 +91,54 @@ class RecipeError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              allow_inf_nan=False)
+
+
+# One part of a name that becomes a path (a run directory, a campaign's MLflow experiment, a
+# stage's model alias): it starts with a letter or digit, so it is never "..", "." or "-x".
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+_NAME = re.compile(NAME_PATTERN)
+_RECIPE_NAME = re.compile(rf"{NAME_PATTERN}(?:/{NAME_PATTERN}){{0,2}}")
+_NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+
+
+def check_path_name(value: str, what: str) -> str:
+    """``value`` if it matches :data:`NAME_PATTERN` (the whole of it); else a ValueError naming
+    ``what`` and the rule."""
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"{what} {short_repr(value)} must be {_NAME_RULE}")
+    return value
+
+
+def _no_control_chars(value: str, what: str) -> str:
+    if not value.isprintable():
+        raise ValueError(f"{what} {short_repr(value)} contains a control character; remove it")
+    return value
+
+
+# The registries' names, so that checking a recipe whose names are all here imports no torch
+# (the registries live in torch modules). A name not here is looked up in the registry itself,
+# which decides; tests/training/test_recipe.py keeps this table equal to the registries.
+_KNOWN_NAMES: dict[str, frozenset[str]] = {
+    "loss": frozenset({"bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "geo_mean",
+                       "gmpo", "gpg", "gspo", "gspo_token", "kl_cov", "reinforce", "sapo",
+                       "vanilla"}),
+    "advantage": frozenset({"dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo",
+                            "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                            "rloo"}),
+    "kl": frozenset({"abs", "k1", "k1+", "k2", "k3", "k3+"}),
+    "preset": frozenset({
+        "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
+        "bypass_pg_is", "bypass_pg_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs",
+        "bypass_ppo_clip_k3_rs", "decoupled_geo_rs", "decoupled_geo_rs_seq_tis",
+        "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis",
+        "decoupled_k3_rs_token_tis", "decoupled_seq_is", "decoupled_seq_is_rs",
+        "decoupled_token_icepop", "decoupled_token_is", "disabled"}),
+    "agg": frozenset({"token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"}),
+    "task": frozenset({"jsonl", "sum_digits"}),
+}
 
 
 def _registry_names(kind: str) -> list[str]:
@@ -93,9 +165,11 @@ def _registry_names(kind: str) -> list[str]:
 
 
 def _check_name(value: str, kind: str, what: str) -> str:
+    if value in _KNOWN_NAMES[kind]:
+        return value
     names = _registry_names(kind)
     if value not in names:
-        raise ValueError(f"unknown {what} {value!r}; use one of: {', '.join(names)}")
+        raise ValueError(f"unknown {what} {short_repr(value)}; use one of: {', '.join(names)}")
     return value
 
 
@@ -108,13 +182,13 @@ class WarmStartModel(_Strict):
 
     kind: Literal["warmstart"] = Field("warmstart", description=(
         "Variant tag: the cached embedded warm start."))
-    moe_experts: int = Field(0, ge=0, le=64, description=(
+    moe_experts: YamlInt = Field(0, ge=0, le=64, description=(
         "0 = dense; else upcycle the dense warm start to this many experts per layer (MoE)."))
-    moe_top_k: int = Field(2, ge=1, le=8, description="Experts per token of the MoE model.")
-    warmstart_steps: int = Field(700, ge=0, le=100_000, description=(
+    moe_top_k: YamlInt = Field(2, ge=1, le=8, description="Experts per token of the MoE model.")
+    warmstart_steps: YamlInt = Field(700, ge=0, le=100_000, description=(
         "Supervised warm-start steps (700 reaches ~1.0 greedy accuracy at k=2 on sum_digits)."))
-    hidden_size: int = Field(128, ge=16, le=4096, description="Model width d.")
-    num_layers: int = Field(4, ge=1, le=64, description="Transformer layers.")
+    hidden_size: YamlInt = Field(128, ge=16, le=4096, description="Model width d.")
+    num_layers: YamlInt = Field(4, ge=1, le=64, description="Transformer layers.")
 
     @model_validator(mode="after")
     def _top_k(self) -> WarmStartModel:
@@ -131,7 +205,13 @@ class CheckpointModel(_Strict):
 
     kind: Literal["checkpoint"] = Field("checkpoint", description=(
         "Variant tag: an HF-format checkpoint directory."))
-    path: str = Field(description="Directory of the HF-format checkpoint.")
+    path: str = Field(min_length=1, max_length=4096, description=(
+        "Directory of the HF-format checkpoint."))
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _no_control_chars(v, "checkpoint path")
 
 
 ModelSpec = Annotated[WarmStartModel | CheckpointModel, Field(discriminator="kind")]
@@ -146,18 +226,18 @@ class MegatronConfig(_Strict):
     split over expert_parallel of the data-parallel ranks). On a machine without CUDA it runs on
     CPU with gloo."""
 
-    tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel size (TP).")
-    pipeline_parallel: int = Field(1, ge=1, le=64, description=(
+    tensor_parallel: YamlInt = Field(1, ge=1, le=64, description="Tensor-parallel size (TP).")
+    pipeline_parallel: YamlInt = Field(1, ge=1, le=64, description=(
         "Pipeline-parallel size (PP): the layers split into this many equal stages; must divide "
         "the layer count."))
-    expert_parallel: int = Field(1, ge=1, le=64, description=(
+    expert_parallel: YamlInt = Field(1, ge=1, le=64, description=(
         "Expert-parallel size (EP, MoE only): the experts are split over this many "
         "data-parallel ranks; must divide data_parallel and the expert count."))
-    data_parallel: int = Field(1, ge=1, le=1024, description=(
+    data_parallel: YamlInt = Field(1, ge=1, le=1024, description=(
         "Data-parallel size (DP); ranks = TP × PP × DP."))
-    gpus_per_rank: float = Field(1.0, ge=0.0, le=8.0, description=(
+    gpus_per_rank: YamlFloat = Field(1.0, ge=0.0, le=8.0, description=(
         "GPUs each rank actor asks Ray for (ignored where no GPU exists: CPU ranks)."))
-    distributed_optimizer: bool = Field(False, description=(
+    distributed_optimizer: YamlBool = Field(False, description=(
         "Megatron's DistributedOptimizer (shards optimizer state over DP) instead of the plain "
         "FP32 optimizer."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
@@ -180,12 +260,12 @@ class SGLangConfig(_Strict):
     """The SGLang rollout backend (``engines.rollout: sglang``; GPU nodes, ``pip install -e
     ".[gpu]"``): ``python -m sglang.launch_server`` processes started by Ray actors."""
 
-    tp_size: int = Field(1, ge=1, le=64, description="Tensor-parallel size of each engine "
+    tp_size: YamlInt = Field(1, ge=1, le=64, description="Tensor-parallel size of each engine "
                          "(GPUs per engine).")
-    mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description=(
+    mem_fraction_static: YamlFloat = Field(0.8, gt=0.0, lt=1.0, description=(
         "Fraction of GPU memory SGLang reserves for weights + KV cache (its "
         "--mem-fraction-static)."))
-    deterministic: bool = Field(False, description=(
+    deterministic: YamlBool = Field(False, description=(
         "--enable-deterministic-inference (batch-invariant kernels; slower, less mismatch)."))
     router: Literal["asyncrl", "sglang-router"] = Field("asyncrl", description=(
         "Who balances requests: asyncrl's own router (default; carries routed experts for R3) or "
@@ -193,13 +273,20 @@ class SGLangConfig(_Strict):
     weight_sync: Literal["disk", "nccl"] = Field("disk", description=(
         "How new weights reach the engines: an HF export loaded with /update_weights_from_disk, "
         "or NCCL broadcast from the Megatron ranks (/update_weights_from_distributed; GPUs only)."))
-    startup_timeout_s: float = Field(900.0, gt=0.0, le=7200.0, description=(
+    startup_timeout_s: YamlFloat = Field(900.0, gt=0.0, le=7200.0, description=(
         "Seconds to wait for a launched engine's /health_generate."))
-    max_restarts: int = Field(3, ge=0, le=100, description=(
+    max_restarts: YamlInt = Field(3, ge=0, le=100, description=(
         "Times a dead engine is restarted (and re-sent the current weights) before it is given "
         "up."))
-    extra_args: list[str] = Field(default_factory=list, description=(
+    extra_args: list[str] = Field(default_factory=list, max_length=256, description=(
         "More sglang.launch_server arguments, passed through as given."))
+
+    @field_validator("extra_args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            _no_control_chars(arg, "argument")
+        return v
 
 
 class EnginesConfig(_Strict):
@@ -211,23 +298,26 @@ class EnginesConfig(_Strict):
     train: Literal["embedded", "megatron"] = Field("embedded", description=(
         "Train backend: 'embedded' (fp32 torch on CPU) or 'megatron' (megatron-core ranks on Ray "
         "actors; CPU with gloo when there is no GPU)."))
-    num_rollout_engines: int = Field(2, ge=1, le=64, description=(
+    num_rollout_engines: YamlInt = Field(2, ge=1, le=64, description=(
         "Rollout servers behind the router (load-balanced by estimated tokens; a dead one's "
         "requests are retried on the others)."))
     rollout_dtype: Literal["bf16", "fp32", "fp8"] = Field("bf16", description=(
         "Embedded rollout numerics: bf16 (default, like SGLang), fp32 (no engine mismatch), fp8 "
         "(simulated weight quantisation, more mismatch)."))
-    logit_noise: float = Field(0.0, ge=0.0, le=5.0, description=(
+    logit_noise: YamlFloat = Field(0.0, ge=0.0, le=5.0, description=(
         "Std of Gaussian noise added to embedded rollout logits (a knob to inject engine "
         "mismatch)."))
-    max_batch: int = Field(64, ge=1, le=4096, description=(
+    max_batch: YamlInt = Field(64, ge=1, le=4096, description=(
         "Most sequences one rollout server decodes together."))
-    snapshot_budget_mb: int = Field(256, ge=0, le=1_000_000, description=(
+    snapshot_budget_mb: YamlInt = Field(256, ge=0, le=1_000_000, description=(
         "CPU memory for old weight versions kept by the trainer (old_logprob: snapshot, R2)."))
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description=(
         "Settings of the megatron train backend (used when train: megatron)."))
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description=(
         "Settings of the sglang rollout backend (used when rollout: sglang)."))
+
+
+_MAX_DIFFICULTY = 1_000_000
 
 
 class TaskConfig(_Strict):
@@ -238,7 +328,7 @@ class TaskConfig(_Strict):
     args: dict[str, Any] = Field(default_factory=dict, description=(
         "Task constructor arguments, e.g. {min_k: 1, max_k: 8} for sum_digits or {path: "
         "data.jsonl, reward: numeric} for jsonl."))
-    difficulty_weights: dict[int, float] = Field(default_factory=dict, description=(
+    difficulty_weights: dict[YamlInt, YamlFloat] = Field(default_factory=dict, description=(
         "Training mix: relative weight of each difficulty bucket ({} = the task's balanced mix). "
         "A heavy weight on easy buckets with a few hard ones makes the long-tail task."))
 
@@ -247,9 +337,21 @@ class TaskConfig(_Strict):
     def _task(cls, v: str) -> str:
         return _check_name(v, "task", "task")
 
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:  # strings, numbers, true/false, null, lists and mappings only; bounded; no cycles
+            plain_copy(v)
+        except PlainDataError as err:
+            raise ValueError(str(err)) from None
+        return v
+
     @field_validator("difficulty_weights")
     @classmethod
     def _weights(cls, v: dict[int, float]) -> dict[int, float]:
+        if any(abs(k) > _MAX_DIFFICULTY for k in v):
+            raise ValueError(f"difficulty buckets are integers in [-{_MAX_DIFFICULTY:,}, "
+                             f"{_MAX_DIFFICULTY:,}]")
         if any(w < 0 or not math.isfinite(w) for w in v.values()):
             raise ValueError("difficulty weights must be finite and >= 0")
         if v and not any(w > 0 for w in v.values()):
@@ -260,15 +362,15 @@ class TaskConfig(_Strict):
 class RolloutConfig(_Strict):
     """Sampling settings of the rollout engines."""
 
-    n: int = Field(8, ge=1, le=1024, description="Samples per prompt (the GRPO group size).")
-    batch_prompts: int = Field(8, ge=1, le=100_000, description=(
+    n: YamlInt = Field(8, ge=1, le=1024, description="Samples per prompt (the GRPO group size).")
+    batch_prompts: YamlInt = Field(8, ge=1, le=100_000, description=(
         "Prompts per mini-batch (seed 002's ppo_mini_batch_size). A trainer step consumes "
         "async.require_batches mini-batches."))
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description=(
+    temperature: YamlFloat = Field(1.0, gt=0.0, le=10.0, description=(
         "Sampling temperature; the trainer's log-probs use the same temperature."))
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description=(
+    top_p: YamlFloat = Field(1.0, gt=0.0, le=1.0, description=(
         "Nucleus sampling (1 = off). Truncation shows up as engine mismatch."))
-    max_response_tokens: int = Field(32, ge=1, le=100_000, description=(
+    max_response_tokens: YamlInt = Field(32, ge=1, le=100_000, description=(
         "Response cap; longer responses are truncated (finish_reason length, counted in "
         "rollout/truncation_rate)."))
 
@@ -277,13 +379,13 @@ class RolloutConfig(_Strict):
 
 
 class _AsyncCommon(_Strict):
-    require_batches: int = Field(1, ge=1, le=1024, description=(
+    require_batches: YamlInt = Field(1, ge=1, le=1024, description=(
         "Mini-batches per trainer step (seed 002): a step consumes require_batches × "
         "batch_prompts groups and makes one optimizer step per mini-batch and epoch."))
-    max_ahead_steps: int | None = Field(None, ge=0, le=1_000, description=(
+    max_ahead_steps: YamlOptInt = Field(None, ge=0, le=1_000, description=(
         "Seed 004's rate limit η: a sample may be submitted only while ⌊(N_r−1)/B⌋ ≤ i + η "
         "(N_r samples submitted, B samples per step, i the current step). None = off."))
-    max_off_policy_steps: int | None = Field(None, ge=0, le=1_000, description=(
+    max_off_policy_steps: YamlOptInt = Field(None, ge=0, le=1_000, description=(
         "Samples more than this many steps behind the trainer when consumed are dropped and "
         "counted (async/dropped_stale_samples). None = keep all."))
 
@@ -307,13 +409,13 @@ class FullyAsyncMode(_AsyncCommon):
 
     mode: Literal["fully_async"] = Field("fully_async", description=(
         "Variant tag: fully asynchronous streaming."))
-    staleness_threshold: float = Field(0.5, ge=0.0, le=16.0, description=(
+    staleness_threshold: YamlFloat = Field(0.5, ge=0.0, le=16.0, description=(
         "Seed 002: after a sync the rollouter may generate at most (1 + staleness_threshold) × "
         "trigger_parameter_sync_step × samples per step − stale samples (rollout_num). < 1 is "
         "recommended."))
-    trigger_parameter_sync_step: int = Field(1, ge=1, le=1024, description=(
+    trigger_parameter_sync_step: YamlInt = Field(1, ge=1, le=1024, description=(
         "Trainer steps (local updates) between two parameter syncs to the rollout engines."))
-    partial_rollout: bool = Field(True, description=(
+    partial_rollout: YamlBool = Field(True, description=(
         "At a sync, pause the engines mid-generation, load the new weights and resume: "
         "interrupted samples keep their tokens and per-token versions. False: stop submitting "
         "and wait for in-flight requests to finish before syncing."))
@@ -339,14 +441,14 @@ class DataConfig(_Strict):
         "fully_async only (sync/one_step consume whole batches in submission order): 'fifo' = "
         "naive arrival order (easy prompts finish first → simplicity bias); 'windowed_fifo' = "
         "only groups within `window` of the oldest unconsumed submitted group are eligible."))
-    window: int = Field(16, ge=1, le=100_000, description="Windowed FIFO width, in groups.")
+    window: YamlInt = Field(16, ge=1, le=100_000, description="Windowed FIFO width, in groups.")
     dispatch: Literal["fifo", "length_aware"] = Field("length_aware", description=(
         "'length_aware': probe the first sample of each group at top priority, then dispatch "
         "the rest longest-expected first (EMA length cache per prompt: later epochs skip the "
         "probe); 'fifo': submission order."))
-    length_ema: float = Field(0.5, gt=0.0, le=1.0, description=(
+    length_ema: YamlFloat = Field(0.5, gt=0.0, le=1.0, description=(
         "EMA weight of a new length observation in the per-prompt length cache."))
-    max_in_flight: int = Field(64, ge=1, le=100_000, description=(
+    max_in_flight: YamlInt = Field(64, ge=1, le=100_000, description=(
         "Most sample requests outstanding at the engines at once."))
 
 
@@ -358,10 +460,10 @@ class AdvantageSpec(_Strict):
 
     estimator: str = Field("grpo", description="Registered estimator, e.g. grpo, rloo, "
                            "reinforce_plus_plus; Dr.GRPO = grpo with norm_by_std false.")
-    norm_by_std: bool = Field(True, description=(
+    norm_by_std: YamlBool = Field(True, description=(
         "grpo: divide by the group std (False = Dr.GRPO, seed 000 stage 4 fix 1)."))
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount (gae, reinforce++).")
-    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE λ.")
+    gamma: YamlFloat = Field(1.0, ge=0.0, le=1.0, description="Discount (gae, reinforce++).")
+    lam: YamlFloat = Field(1.0, ge=0.0, le=1.0, description="GAE λ.")
 
     @field_validator("estimator")
     @classmethod
@@ -376,12 +478,12 @@ class LossSpec(_Strict):
                       "cispo, sapo, ...).")
     agg: str = Field("token-mean", description="Loss aggregation: token-mean, seq-mean-token-sum, "
                      "seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO).")
-    clip_ratio: float = Field(0.2, gt=0.0, le=10.0, description="PPO ε.")
-    clip_ratio_low: float | None = Field(None, gt=0.0, le=10.0, description="ε_low (None = ε).")
-    clip_ratio_high: float | None = Field(None, gt=0.0, le=10.0, description=(
+    clip_ratio: YamlFloat = Field(0.2, gt=0.0, le=10.0, description="PPO ε.")
+    clip_ratio_low: YamlOptFloat = Field(None, gt=0.0, le=10.0, description="ε_low (None = ε).")
+    clip_ratio_high: YamlOptFloat = Field(None, gt=0.0, le=10.0, description=(
         "ε_high (clip-higher; None = ε)."))
-    clip_ratio_c: float = Field(3.0, gt=1.0, le=100.0, description="Dual-clip constant c.")
-    entropy_coeff: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient.")
+    clip_ratio_c: YamlFloat = Field(3.0, gt=1.0, le=100.0, description="Dual-clip constant c.")
+    entropy_coeff: YamlFloat = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient.")
 
     @field_validator("name")
     @classmethod
@@ -400,8 +502,10 @@ class SourceSpec(_Strict):
     method: Literal["cap", "clip", "icepop", "none"] = Field(description=(
         "cap: zero tokens with ratio > upper; clip: clamp to [lower, upper]; icepop: zero tokens "
         "outside [lower, upper]; none: measure only."))
-    lower: float | None = Field(None, ge=0.0, description="Lower bound (None = method default).")
-    upper: float | None = Field(None, gt=0.0, description="Upper bound (None = method default).")
+    lower: YamlOptFloat = Field(None, ge=0.0, description=(
+        "Lower bound (None = method default)."))
+    upper: YamlOptFloat = Field(None, gt=0.0, description=(
+        "Upper bound (None = method default)."))
 
     @model_validator(mode="after")
     def _bounds(self) -> SourceSpec:
@@ -449,7 +553,7 @@ class DecoupledCorrection(_Strict):
 
     kind: Literal["decoupled"] = Field("decoupled", description=(
         "Variant tag: decoupled PPO."))
-    behaviour_weight_cap: float | None = Field(5.0, gt=0.0, description=(
+    behaviour_weight_cap: YamlOptFloat = Field(5.0, gt=0.0, description=(
         "Tokens with π_prox/π_behav above this are masked (None = no cap)."))
 
 
@@ -462,25 +566,25 @@ CorrectionSpec = Annotated[
 class EWMASpec(_Strict):
     """Revised PPO-EWMA reference (seed 003 §5.2)."""
 
-    staleness_window: float | None = Field(None, ge=0.0, le=1000.0, description=(
+    staleness_window: YamlOptFloat = Field(None, ge=0.0, le=1000.0, description=(
         "Expected staleness W (steps); β = W/(W+2). None = derived from the async mode."))
-    reset_interval: int | None = Field(None, ge=1, description=(
+    reset_interval: YamlOptInt = Field(None, ge=1, le=10_000_000, description=(
         "Reset the reference to the current weights after this many updates (None = never)."))
-    reset_mask_frac: float | None = Field(0.1, gt=0.0, le=1.0, description=(
+    reset_mask_frac: YamlOptFloat = Field(0.1, gt=0.0, le=1.0, description=(
         "Reset when the engine-ratio mask rejects more than this fraction of tokens."))
 
 
 class M2POSpec(_Strict):
     """M2PO second-moment masking (seed 000 stage 2)."""
 
-    threshold: float = Field(0.04, gt=0.0, description="Mean m2 target of the kept tokens.")
-    max_cutoff: float | None = Field(None, gt=0.0, description="Optional hard per-token cap.")
+    threshold: YamlFloat = Field(0.04, gt=0.0, description="Mean m2 target of the kept tokens.")
+    max_cutoff: YamlOptFloat = Field(None, gt=0.0, description="Optional hard per-token cap.")
 
 
 class OPSMSpec(_Strict):
     """Off-policy sequence masking (DeepSeek-V3.2, seed 001)."""
 
-    delta: float = Field(1e-4, gt=0.0, description=(
+    delta: YamlFloat = Field(1e-4, gt=0.0, description=(
         "Negative-advantage sequences with mean log(μ/π) above δ are masked."))
 
 
@@ -490,10 +594,11 @@ class KLSpec(_Strict):
     mode: Literal["none", "in_reward"] = Field("none", description=(
         "'in_reward': token reward −= coef·KL(π_old ‖ π_ref); 'none': off."))
     estimator: str = Field("k1", description="KL estimator: k1, abs, k2, k3, k1+, k3+.")
-    coef: float = Field(0.001, ge=0.0, le=10.0, description="Initial KL coefficient β.")
-    target: float | None = Field(None, gt=0.0, description=(
+    coef: YamlFloat = Field(0.001, ge=0.0, le=10.0, description="Initial KL coefficient β.")
+    target: YamlOptFloat = Field(None, gt=0.0, description=(
         "Adaptive controller target KL (None = fixed coefficient)."))
-    horizon: int = Field(10_000, ge=1, description="Adaptive controller horizon.")
+    horizon: YamlInt = Field(10_000, ge=1, le=10_000_000, description=(
+        "Adaptive controller horizon."))
 
     @field_validator("estimator")
     @classmethod
@@ -539,34 +644,43 @@ class AlgorithmConfig(_Strict):
 class OptimSpec(_Strict):
     """Optimizer (AdamW) and PPO schedule."""
 
-    lr: float = Field(3e-5, gt=0.0, le=1.0, description=(
+    lr: YamlFloat = Field(3e-5, gt=0.0, le=1.0, description=(
         "Peak learning rate (3e-5 keeps the embedded warm start stable at 8 prompts × 8; 2e-4 "
         "lowered its eval accuracy within 20 steps)."))
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
-    grad_clip: float | None = Field(1.0, gt=0.0, description="Gradient-norm clip (None = off).")
+    weight_decay: YamlFloat = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    grad_clip: YamlOptFloat = Field(1.0, gt=0.0, description="Gradient-norm clip (None = off).")
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = Field(
         "constant", description="Learning-rate schedule over the run's optimizer steps.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
-    epochs: int = Field(1, ge=1, le=64, description="PPO epochs over each trainer step's batch.")
-    micro_batch_size: int | None = Field(None, ge=1, description=(
+    warmup_steps: YamlInt = Field(0, ge=0, le=10_000_000, description=(
+        "Linear warm-up optimizer steps."))
+    epochs: YamlInt = Field(1, ge=1, le=64, description=(
+        "PPO epochs over each trainer step's batch."))
+    micro_batch_size: YamlOptInt = Field(None, ge=1, le=1_000_000, description=(
         "Sequences per forward/backward (gradient accumulation; None = whole mini-batch)."))
 
 
 class EvalSpec(_Strict):
     """Held-out evaluation on the rollout engines (greedy), per difficulty bucket."""
 
-    every: int = Field(10, ge=0, description="Evaluate every N trainer steps (0 = only at the "
-                       "end; the start and the end are always evaluated when n > 0).")
-    n: int = Field(64, ge=0, le=100_000, description="Eval prompts (0 = no eval).")
+    every: YamlInt = Field(10, ge=0, le=1_000_000, description=(
+        "Evaluate every N trainer steps (0 = only at the end; the start and the end are always "
+        "evaluated when n > 0)."))
+    n: YamlInt = Field(64, ge=0, le=100_000, description="Eval prompts (0 = no eval).")
 
 
 class Recipe(_Strict):
     """One training run (see the module docstring for the sections)."""
 
-    name: str = Field("recipe", min_length=1, max_length=200, description="A label.")
+    name: str = Field("recipe", min_length=1, max_length=200, description=(
+        "A label; it names the run directory ($ASYNCRL_HOME/runs/<name>-<time>), so it is 1-3 "
+        "parts joined by '/' (a campaign names its candidates <campaign>/<stage>/<candidate>), "
+        "each 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit."))
     description: str = Field("", description="Free text (not part of the hash).")
-    seed: int = Field(0, ge=0, description="Seeds the task split, prompt order and sampling.")
-    steps: int = Field(20, ge=1, le=1_000_000, description="Trainer steps (global steps).")
+    # < 2**31: the engines seed numpy with seed + engine index (SGLang --random-seed; numpy
+    # takes seeds below 2**32) and torch with seed (below 2**64)
+    seed: YamlInt = Field(0, ge=0, le=2**31 - 1, description=(
+        "Seeds the task split, prompt order and sampling (0 to 2**31 - 1)."))
+    steps: YamlInt = Field(20, ge=1, le=1_000_000, description="Trainer steps (global steps).")
     model: ModelSpec = Field(default_factory=WarmStartModel, description=(
         "Initial weights, by kind: warmstart (embedded, dense or MoE) or checkpoint (HF dir)."))
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description=(
@@ -587,7 +701,15 @@ class Recipe(_Strict):
         "Held-out greedy evaluation cadence and size."))
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
-                              populate_by_name=True)
+                              populate_by_name=True, allow_inf_nan=False)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _RECIPE_NAME.fullmatch(v):
+            raise ValueError(f"{short_repr(v)} must be 1-3 parts joined by '/', each {_NAME_RULE} "
+                             "(it names the run directory)")
+        return v
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:
@@ -732,49 +854,60 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "recipe") -> Recipe:
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
     """Read and validate a recipe YAML file; ``overrides`` are dotted keys (``optim.lr``) or
-    nested mappings applied before validation."""
+    nested mappings applied before validation. An empty file is an error, not the defaults."""
     p = Path(path)
     data = read_yaml(p, "recipe", "pass the path of a YAML recipe (see recipes/)", RecipeError)
-    if data is None:
-        data = {}
+    data = require_mapping(data, f"{p}: a recipe is a mapping of sections (model, rollout, "
+                           "async, ...)", RecipeError)
     if overrides:
-        if not isinstance(data, Mapping):
-            raise RecipeError(f"{p}: a recipe is a mapping of sections")
         data = apply_overrides(data, overrides)
     return recipe_from_dict(data, str(p))
+
+
+def _plain(value: Any, what: str) -> Any:
+    """A copy of ``value`` with the keys JSON would give it (strings); RecipeError otherwise."""
+    try:
+        return plain_copy(value, str_keys=True)
+    except PlainDataError as err:
+        raise RecipeError(f"{what}: {err}") from None
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Deep-merge ``overrides`` into a copy of ``data``. Keys may be dotted (``async.mode``).
     A mapping merges into a mapping; any other value replaces. Changing a discriminator
     (``async.mode``, ``algorithm.correction.kind``) drops the old variant's other fields that the
-    new variant does not accept."""
-    out = json.loads(json.dumps(dict(data)))  # deep copy of plain data
-    for key, value in overrides.items():
-        parts = str(key).split(".")
+    new variant does not accept.
+
+    Both are copied by :func:`training.yamlfile.plain_copy` first (integer keys become strings,
+    as they would through JSON): anything but plain data, a cycle, or more data than an alias
+    bomb should expand to is a one-line :class:`RecipeError`, and neither input is changed."""
+    out = _plain(dict(data), "recipe")
+    for key, value in _plain(dict(overrides), "overrides").items():
+        parts = key.split(".")
         node = out
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
                 node[part] = {}
             node = node[part]
         last = parts[-1]
-        if isinstance(value, Mapping) and isinstance(node.get(last), dict):
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
             node[last] = _merge(node[last], value)
         else:
-            node[last] = json.loads(json.dumps(value))
+            node[last] = value
     return out
 
 
-def _merge(base: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` merged into ``base``; both are fresh plain copies owned by the caller."""
     tag = next((k for k in ("mode", "kind") if k in new and k in base and new[k] != base[k]), None)
     if tag is not None:  # switching variant: start from the new one
-        return json.loads(json.dumps(dict(new)))
+        return new
     out = dict(base)
     for k, v in new.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _merge(out[k], v)
         else:
-            out[k] = json.loads(json.dumps(v))
+            out[k] = v
     return out
 
 

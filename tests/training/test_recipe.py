@@ -1,5 +1,9 @@
+import datetime
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -39,7 +43,7 @@ def test_defaults_are_valid(tmp_path):
     assert r.mode == "sync" and not r.is_moe
     assert r.samples_per_step == r.rollout.n * r.rollout.batch_prompts * r.async_.require_batches
     assert recipe_from_dict({}) == r
-    assert load_recipe(_write(tmp_path, "# only a comment\n")) == r
+    assert load_recipe(_write(tmp_path, "{}\n")) == r  # explicit: all defaults
     assert r.to_dict()["async"]["mode"] == "sync"  # the YAML key is `async`, not `async_`
 
 
@@ -314,3 +318,152 @@ def test_partial_rollout_interrupt_resolves_per_backend() -> None:
         == "1bc84c2c57424855"
     assert recipe_from_dict({"async": {"mode": "fully_async", "interrupt": "retract"}}).hash() \
         != "1bc84c2c57424855"
+
+
+# --- hostile input (issue 13) --------------------------------------------------------------------
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def test_shipped_recipe_hashes_are_unchanged():
+    """Validation changes must not move a recipe's identity (recorded runs resume by it)."""
+    assert {p.stem: load_recipe(p).hash() for p in sorted(RECIPES.glob("*.yaml"))} == {
+        "fully_async-moe": "96211469d169d5e5", "fully_async": "f753da09696f08ce",
+        "one_step-moe": "ba1800e260e9380c", "one_step": "6515d15c4a52cfde",
+        "sync-megatron": "c07036e23d5d3aa0", "sync-moe": "c91587d3d0f1a85b",
+        "sync": "d4380df48cc2e5a5"}
+    assert Recipe().hash() == "ea36c3d781b604d7"
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n", "null\n"])
+def test_an_empty_recipe_file_is_an_error(tmp_path, text):
+    path = _write(tmp_path, text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert str(info.value) == (
+        f"{path}: the file is empty (no YAML value, only comments or blank lines); write the "
+        "recipe in it, or pass the path of a YAML recipe (see recipes/)")
+
+
+def test_known_names_are_the_registries():
+    """The table that spares `asyncrl validate` the torch import is the registries' names."""
+    from training.recipe import _KNOWN_NAMES, _registry_names
+
+    for kind, names in _KNOWN_NAMES.items():
+        assert names == set(_registry_names(kind)), kind
+
+
+def test_checking_a_recipe_of_known_names_imports_no_torch():
+    code = ("import sys; from training.recipe import load_recipe; "
+            "[load_recipe(p) for p in sys.argv[1:]]; "
+            "print(sorted(m for m in ('torch', 'numpy', 'ray', 'prefect', 'mlflow') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *map(str, RECIPES.glob("*.yaml"))],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _integer_properties(schema):
+    for name, obj in _objects(schema):
+        for field, prop in obj.get("properties", {}).items():
+            arms = prop.get("anyOf", [prop])
+            for arm in arms:
+                if arm.get("type") == "integer":
+                    yield f"{name}.{field}", arm
+
+
+def test_every_integer_field_has_an_upper_bound():
+    ints = dict(_integer_properties(recipe_json_schema()))
+    assert len(ints) > 30
+    assert [k for k, prop in ints.items() if "maximum" not in prop] == []
+    assert ints["Recipe.seed"]["maximum"] == 2**31 - 1  # seed + engine index seeds numpy (< 2**32)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"seed": 10**32}, "recipe: seed: Input should be less than or equal to 2147483647"),
+    ({"seed": 2.0**40}, "recipe: seed: Input should be less than or equal to 2147483647"),
+    ({"rollout": {"n": True}}, "recipe: rollout.n: must be a number, got true"),
+    ({"rollout": {"n": "yes"}}, "recipe: rollout.n: Input should be a valid integer, unable to "
+     "parse string as an integer"),
+    ({"async": {"mode": "fully_async", "partial_rollout": "on"}},
+     "recipe: async.partial_rollout: must be true or false, got the string 'on'"),
+    ({"optim": {"grad_clip": float("inf")}},
+     "recipe: optim.grad_clip: must be a finite number (not .inf or .nan)"),
+    ({"optim": {"lr": float("nan")}}, "recipe: optim.lr: must be a finite number (not .inf or "
+     ".nan)"),
+    ({"rollout": 5}, "recipe: rollout: must be a mapping, got the number 5"),
+    ({"task": {"difficulty_weights": {10**7: 1}}},
+     "recipe: task.difficulty_weights: difficulty buckets are integers in [-1,000,000, "
+     "1,000,000]"),
+    ({"task": {"args": {"when": datetime.date(2024, 1, 1)}}},
+     "recipe: task.args: when: a date value is not allowed (only strings, numbers, true/false, "
+     "null, lists and mappings)"),
+    ({"model": {"kind": "checkpoint", "path": "ckpt\x00"}},
+     "recipe: model.path: checkpoint path 'ckpt\\x00' contains a control character; remove it"),
+    ({"rollout": {"n\x1b[2J\nx": 1}}, "recipe: rollout.n\\x1b[2J\\nx: unknown field; remove it "
+     "or check its spelling (asyncrl schema recipe lists them)"),
+])
+def test_hostile_values_are_one_line(data, message):
+    assert _error(data) == message
+
+
+@pytest.mark.parametrize("name", ["../../../escaped/run", "/abs", "a/../../b", ".hidden", "..",
+                                  "a b", "a\n", "a/b/c/d", "x" * 65, "", "a//b", "run/"])
+def test_a_name_that_could_leave_the_runs_directory_is_refused(name):
+    msg = _error({"name": name})
+    assert msg.startswith("recipe: name: ")
+    assert "(it names the run directory)" in msg or "at least 1 character" in msg
+
+
+@pytest.mark.parametrize("name", ["sync", "fully_async-moe", "v1.2", "quick/baseline/default",
+                                  "a/b"])
+def test_names_of_recipes_and_campaign_candidates_are_accepted(name):
+    assert recipe_from_dict({"name": name}).name == name
+
+
+def test_task_args_refuse_cycles_and_bombs():
+    cycle: dict = {}
+    cycle["self"] = cycle
+    assert "contains itself (a cycle)" in _error({"task": {"args": cycle}})
+    level: list = [1] * 10
+    for _ in range(7):
+        level = [level] * 10
+    assert "holds more than 100,000 values" in _error({"task": {"args": {"x": level}}})
+
+
+def test_overrides_are_copied_as_plain_data_not_through_json():
+    base = {"task": {"difficulty_weights": {"4": 2.0}}}
+    out = apply_overrides(base, {"task": {"difficulty_weights": {4: 1, 5: 1}}})
+    assert out == {"task": {"difficulty_weights": {"4": 1, "5": 1}}}  # keys as JSON made them
+    assert base == {"task": {"difficulty_weights": {"4": 2.0}}}
+    with pytest.raises(RecipeError) as info:
+        apply_overrides({}, {"task": {"args": {"d": datetime.date(2024, 1, 1)}}})
+    assert str(info.value) == ("overrides: task.args.d: a date value is not allowed (only "
+                               "strings, numbers, true/false, null, lists and mappings)")
+    cycle: list = []
+    cycle.append(cycle)
+    with pytest.raises(RecipeError, match=r"^overrides: x\.0: contains itself"):
+        apply_overrides({}, {"x": cycle})
+    level: list = ["lol"] * 10
+    for _ in range(9):
+        level = [level] * 10
+    with pytest.raises(RecipeError, match="holds more than 100,000 values"):
+        apply_overrides({}, {"task.args.x": level})
+
+
+def test_a_yaml_recipe_with_aliases_dates_or_big_numbers_is_one_line(tmp_path):
+    cases = {
+        "task:\n  args: &a {x: 1}\nrollout: *a\n": "line 3, column 10: an alias (*name) is not "
+        "allowed",
+        "seed: 2024-13-45\n": "seed: Input should be a valid integer",
+        "seed: " + "1" * 5000 + "\n": "line 1, column 7: an integer of 5000 characters is too "
+        "large",
+        "rollout:\n  n: yes\n": "rollout.n: Input should be a valid integer",
+        "eval:\n  every: 1.0e+400\n": "eval.every: must be a finite number",
+    }
+    for text, needle in cases.items():
+        path = _write(tmp_path, text)
+        with pytest.raises(RecipeError) as info:
+            load_recipe(path)
+        msg = str(info.value)
+        assert msg.startswith(f"{path}: ") and needle in msg and "\n" not in msg, (text, msg)
