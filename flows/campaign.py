@@ -30,12 +30,16 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, task
 
 from registry.campaign import Campaign, Candidate, Stage, load_campaign
+from training.fileio import atomic_write_text
 from training.paths import state_dir
+
+if TYPE_CHECKING:
+    from registry.ownership import CampaignLease
 
 log = logging.getLogger("asyncrl.campaign")
 
@@ -50,7 +54,8 @@ def _to_listeners(event: dict[str, Any]) -> None:
     for fn in list(EVENT_LISTENERS):
         fn(event)
 
-__all__ = ["CampaignOutcome", "campaign_flow", "new_campaign_id", "run_campaign"]
+__all__ = ["CampaignOutcome", "campaign_flow", "flow_result", "new_campaign_id",
+           "run_campaign"]
 
 
 def new_campaign_id(name: str) -> str:
@@ -171,8 +176,11 @@ def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
 def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
           references: dict[str, dict[str, float]], context: dict[str, Any],
           registry_url: str | None, mlflow_run_id: str | None,
-          tracking_uri: str | None) -> dict[str, Any]:
-    """Evaluate the stage's gates on one run; record them; attach the report and plots."""
+          tracking_uri: str | None, where: dict[str, str] | None = None) -> dict[str, Any]:
+    """Evaluate the stage's gates on one run; record them; attach the report and plots. The
+    report keeps what the run was judged with (``judged_with``: the gates and their params,
+    the reference summaries, the context, and ``where`` — campaign, stage, candidate), so
+    ``asyncrl gates RUN`` re-judges it the same way."""
     from flows.plots import run_plots
     from flows.tracking import Tracker
     from registry.db import RegistryDB
@@ -186,10 +194,14 @@ def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
         results.append(evaluate_gate(g["name"], history, g.get("params") or {}, reference=ref,
                                      context=context).to_dict())
     passed = all(r["passed"] for r in results)
+    used = {g["relative_to"] for g in gates if g.get("relative_to")}
     report = {"passed": passed, "gates": results, "run_dir": run["run_dir"],
-              "summary": run["summary"]}
+              "summary": run["summary"],
+              "judged_with": {**(where or {}), "gates": gates, "context": context,
+                              "references": {k: v for k, v in references.items()
+                                             if k in used}}}
     run_dir = Path(run["run_dir"])
-    (run_dir / "gate_report.json").write_text(json.dumps(report, indent=2, default=str))
+    atomic_write_text(run_dir / "gate_report.json", json.dumps(report, indent=2, default=str))
     db = RegistryDB(registry_url)
     db.record_gate_results(run["run_id"], results)
     db.close()
@@ -265,20 +277,49 @@ def campaign_flow(campaign_path: str, campaign_id: str, registry_url: str | None
     """Run (or continue) the campaign in ``campaign_path`` under ``campaign_id``."""
     out = run_campaign(Path(campaign_path), campaign_id, registry_url=registry_url,
                        tracking_uri=tracking_uri, events=_to_listeners)
-    return out.__dict__
+    return flow_result(out)
+
+
+def flow_result(outcome: CampaignOutcome) -> Any:
+    """What a campaign flow returns: the outcome (a dict) when every stage promoted; for a
+    campaign that stopped with no passing candidate, a Prefect ``Failed`` state carrying the
+    same dict, with the verdict as its message — so the flow run ends Failed in the Prefect UI
+    and automations and alerts on failed runs fire. Call the flow with ``return_state=True``
+    and read the dict with ``state.result(raise_on_failure=False)``."""
+    data = dict(outcome.__dict__)
+    if outcome.status == "finished":
+        return data
+    from prefect.states import Failed
+
+    return Failed(message=outcome.verdict, data=data)
 
 
 def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | None = None,
                  tracking_uri: str | None = None, events: EventFn | None = None
                  ) -> CampaignOutcome:
-    """The body of :func:`campaign_flow` (call it inside a flow run)."""
-    from flows.tracking import Tracker
+    """The body of :func:`campaign_flow` (call it inside a flow run). Raises
+    :class:`registry.db.CampaignOwnedError` when another live process runs this campaign."""
     from registry.db import RegistryDB
-    from registry.gates import diagnosis_for
-    from training.runtime.sinks import read_metrics
+    from registry.ownership import CampaignLease
 
     campaign, base = load_campaign(campaign_path)
     db = RegistryDB(registry_url)
+    try:
+        record_campaign(db, campaign, base, campaign_path, campaign_id)
+        # one owner: a second launch/resume is refused here, before it writes anything (the
+        # CLI takes the same lease before it starts Prefect; it is re-entrant)
+        with CampaignLease(db, campaign_id) as lease:
+            return _run_owned(campaign, base, Path(campaign_path), campaign_id, db, lease,
+                              registry_url=registry_url, tracking_uri=tracking_uri,
+                              events=events)
+    finally:
+        db.close()
+
+
+def record_campaign(db: Any, campaign: Campaign, base: dict[str, Any], campaign_path: Path,
+                    campaign_id: str) -> None:
+    """Record the campaign under ``campaign_id`` in the registry (idempotent; a different
+    campaign file under an existing id is a ``RegistryError``)."""
     from training.recipe import recipe_from_dict
 
     # identity of a campaign id: the file's content and the base recipe's hash (not its full
@@ -288,12 +329,26 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
         "campaign": campaign.model_dump(mode="json", exclude_defaults=True),
         "base_recipe_hash": recipe_from_dict(base, "base").hash(),
         "path": str(Path(campaign_path).resolve())})
+
+
+def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, campaign_id: str,
+               db: Any, lease: CampaignLease, *, registry_url: str | None,
+               tracking_uri: str | None, events: EventFn | None) -> CampaignOutcome:
+    """The stages of :func:`run_campaign`, run while this process owns the campaign."""
+    from flows.tracking import Tracker
+    from registry.gates import diagnosis_for
+    from training.runtime.sinks import read_metrics
+
     db.set_campaign_status(campaign_id, "running")
     tracker = Tracker(tracking_uri)
     exp = tracker.experiment(f"asyncrl/{campaign.name}")
     parent = tracker.start_campaign_run(exp, campaign_id, campaign.name,
                                         tags={"asyncrl.campaign_file": str(campaign_path)}) \
         if exp else None
+    if parent and lease.previous is not None:  # the parent run of a crash, continued: say so
+        tracker.set_tags(parent, {"asyncrl.recovered_from_crash": (
+            f"owner {lease.previous['describe']} died; resumed by "
+            f"{lease.identity.describe()}")})
     _start_ray()
     current: dict[str, Any] = dict(base)
     checkpoint: str | None = None
@@ -392,7 +447,8 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
                 png = None
             if png is not None:
                 tracker.log_artifact_file(parent, png)
-            tracker.end_run(parent, "FINISHED")
+            # a campaign stopped by its gates is a failure in MLflow's list too, not green
+            tracker.end_run(parent, "FINISHED" if outcome.status == "finished" else "FAILED")
     except BaseException as e:
         status = "failed" if not isinstance(e, KeyboardInterrupt) else "stopped"
         db.set_campaign_status(campaign_id, status,
@@ -401,8 +457,6 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
         if parent:
             tracker.end_run(parent, "KILLED" if status == "stopped" else "FAILED")
         raise
-    finally:
-        db.close()
     return outcome
 
 
@@ -429,7 +483,9 @@ def _run_one(campaign: Campaign, campaign_id: str, stage: Stage, cand: Candidate
                         tracking_uri=tracking_uri)
     report = judge(run=run, gates=[g.model_dump() for g in stage.gates], references=references,
                    context=_context(recipe.to_dict()), registry_url=registry_url,
-                   mlflow_run_id=child, tracking_uri=tracking_uri)
+                   mlflow_run_id=child, tracking_uri=tracking_uri,
+                   where={"campaign_id": campaign_id, "stage": stage.name,
+                          "candidate": cand.name})
     db.upsert_run(campaign_id, stage.name, cand.name, rhash,
                   status="finished" if report["passed"] else "rejected")
     _emit(events, kind="candidate", stage=stage.name, candidate=cand.name,
@@ -440,16 +496,13 @@ def _run_one(campaign: Campaign, campaign_id: str, stage: Stage, cand: Candidate
 
 
 def _start_ray() -> None:
-    """One local Ray for the whole campaign (FACTS.md), unless one is already up; the cluster
-    named by ``$RAY_ADDRESS`` when set."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
+    """One local Ray for the whole campaign (FACTS.md), loopback-only and reaped with this
+    process, unless one is already up; the cluster named by ``$RAY_ADDRESS`` when set
+    (platform/prefect.yaml sets ``RAY_ADDRESS=auto``). See :mod:`training.runtime.ray_setup`."""
+    from training.runtime.ray_setup import RayStartError, init_ray
+    from training.runtime.run import RunError
 
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):  # a cluster (platform/prefect.yaml sets RAY_ADDRESS=auto)
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False,
-                 logging_level=logging.ERROR)
-    else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.ERROR)
+    try:
+        init_ray()
+    except RayStartError as e:  # the CLI prints a RunError as one line
+        raise RunError(str(e)) from None

@@ -26,14 +26,13 @@ FLOW_NAME = "asyncrl-scheduled-campaign"
 
 
 @flow(name=FLOW_NAME, log_prints=False)
-def scheduled_campaign_flow(campaign_path: str, campaign_id: str | None = None
-                            ) -> dict[str, Any]:
-    """Run the campaign in ``campaign_path`` as a new campaign (or continue ``campaign_id``)."""
+def scheduled_campaign_flow(campaign_path: str, campaign_id: str | None = None) -> Any:
+    """Run the campaign in ``campaign_path`` as a new campaign (or continue ``campaign_id``);
+    ends Failed, with the verdict as its message, when a stage has no passing candidate."""
     from flows import campaign as cflow
     from registry.campaign import load_campaign
 
     if campaign_id is None:
         campaign, _ = load_campaign(campaign_path)
         campaign_id = cflow.new_campaign_id(campaign.name)
-    out = cflow.run_campaign(Path(campaign_path), campaign_id)
-    return out.__dict__
+    return cflow.flow_result(cflow.run_campaign(Path(campaign_path), campaign_id))

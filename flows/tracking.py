@@ -42,6 +42,7 @@ import os
 import re
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -110,6 +111,24 @@ def default_artifact_root() -> str:
     path = state_dir() / "mlflow" / "artifacts"
     path.mkdir(parents=True, exist_ok=True)
     return path.as_uri()
+
+
+def ui_base_url(tracking_uri: str) -> str:
+    """Where a browser reaches the MLflow UI of ``tracking_uri``: the tracking server itself for
+    an http(s) URI, else the local UI that `mlflow ui` / `asyncrl up` serve for a store
+    ($ASYNCRL_MLFLOW_UI_URL, default http://127.0.0.1:5000)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return tracking_uri.rstrip("/")
+    return os.environ.get(UI_URL_ENV, DEFAULT_UI_URL).rstrip("/")
+
+
+def where_to_look(tracking_uri: str) -> str:
+    """How to open the MLflow UI: the server's address, or the command that serves a local
+    store (a server URL is not a store: ``mlflow ui --backend-store-uri http://…`` fails)."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"MLflow UI at {redact_uri(tracking_uri)}"
+    return (f"MLflow: `mlflow ui --backend-store-uri {redact_uri(tracking_uri)}` (or `asyncrl "
+            f"up`), then {ui_base_url(tracking_uri)}")
 
 
 _PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")
@@ -437,16 +456,23 @@ class Tracker:
 
     @_tolerant("run_url")
     def run_url(self, run_id: str) -> str:
-        """A browser link to the run: the tracking server itself for an http(s) URI, else the
-        local UI (``mlflow ui`` / ``asyncrl up``: $ASYNCRL_MLFLOW_UI_URL, default
-        http://127.0.0.1:5000)."""
+        """A browser link to the run (on :func:`ui_base_url`)."""
         assert self.client is not None
         exp = self.client.get_run(run_id).info.experiment_id
-        if self.tracking_uri.startswith(("http://", "https://")):
-            base = self.tracking_uri
-        else:
-            base = os.environ.get(UI_URL_ENV, DEFAULT_UI_URL)
-        return f"{base.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+        return f"{ui_base_url(self.tracking_uri)}/#/experiments/{exp}/runs/{run_id}"
+
+    @_tolerant("compare_url")
+    def compare_url(self, run_ids: list[str]) -> str:
+        """A browser link to MLflow's run comparison of ``run_ids``. MLflow's page needs both
+        ``runs`` and ``experiments`` (JSON lists; without ``experiments`` it shows
+        ``"undefined" is not valid JSON``)."""
+        assert self.client is not None
+        experiments = list(dict.fromkeys(self.client.get_run(r).info.experiment_id
+                                         for r in run_ids))
+        query = urllib.parse.urlencode({
+            "runs": json.dumps(list(run_ids), separators=(",", ":")),
+            "experiments": json.dumps(experiments, separators=(",", ":"))})
+        return f"{ui_base_url(self.tracking_uri)}/#/compare-runs?{query}"
 
 
 class MLflowSink:

@@ -21,18 +21,14 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _prefect_env() -> None:
-    """Prefect keeps its state (ephemeral API database, results) under the state directory and
-    logs warnings only; set before prefect is imported."""
-    from training.paths import state_dir
+def require_state_dir() -> None:
+    """A read-only or uncreatable $ASYNCRL_HOME is one line before any service starts."""
+    from training.paths import StateDirError, require_writable_state_dir
 
-    os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))
-    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(state_dir() / "prefect" / "storage"))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    # the temporary API server can take minutes on a loaded 2-core machine (default: 20 s)
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        require_writable_state_dir()
+    except StateDirError as e:
+        _fail(str(e))
 
 
 def _db(url: str | None = None):
@@ -69,11 +65,33 @@ def _live_table(state: dict[tuple[str, str], dict[str, Any]]):
 
 
 def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
-    _prefect_env()
+    """Record the campaign, take its ownership (a second launch/resume of it is refused in one
+    line naming the owner, before Prefect starts) and run its flow in this process."""
+    require_state_dir()
+    from flows import campaign as cflow  # configures Prefect before importing it
+    from registry.campaign import CampaignError, load_campaign
+    from registry.db import RegistryError
+    from registry.ownership import CampaignLease
+
+    try:
+        campaign, base = load_campaign(path)
+    except CampaignError as e:
+        _fail(str(e))
+    db = _db()
+    try:
+        cflow.record_campaign(db, campaign, base, path, campaign_id)
+        with CampaignLease(db, campaign_id):
+            _follow_flow(cflow, path, campaign_id, as_json)
+    except RegistryError as e:  # CampaignOwnedError: another live process runs it
+        _fail(str(e))
+    finally:
+        db.close()
+
+
+def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    from flows import campaign as cflow
     from registry.campaign import CampaignError
     from registry.db import RegistryError
     from training.recipe import RecipeError
@@ -96,7 +114,12 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
 
         cflow.EVENT_LISTENERS.append(on_event)
         try:
-            out = cflow.campaign_flow(str(path), campaign_id)
+            # a stopped campaign ends its flow run Failed (flows.campaign.flow_result): read
+            # the outcome from the state; an exception the flow raised is raised again here
+            flow_state = cflow.campaign_flow(str(path), campaign_id, return_state=True)
+            out = flow_state.result(raise_on_failure=False)
+            if isinstance(out, BaseException):
+                raise out
         except (CampaignError, RecipeError, RunError, RegistryError) as e:
             live.stop()
             _fail(f"{e} (campaign {campaign_id}; resume with: asyncrl campaign resume "
@@ -104,6 +127,14 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
         except KeyboardInterrupt:
             live.stop()
             _fail(f"interrupted; resume with: asyncrl campaign resume {campaign_id}", 130)
+        except RuntimeError as e:
+            if "Prefect API" not in str(e):
+                raise
+            live.stop()
+            _fail(f"Prefect's temporary API server did not start ({str(e).splitlines()[0]}); "
+                  "the machine may be busy: try again, raise "
+                  "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or run `asyncrl up` and "
+                  "set PREFECT_API_URL")
         finally:
             cflow.EVENT_LISTENERS.remove(on_event)
     _print_outcome(console, out, as_json)
@@ -115,7 +146,7 @@ def _print_outcome(console, out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(out, indent=2, default=str))
         return
-    from flows.tracking import default_tracking_uri, redact_uri
+    from flows.tracking import Tracker, default_tracking_uri, redact_uri, where_to_look
     from registry.db import default_url
 
     console.print(f"campaign [bold]{out['campaign_id']}[/]: {out['status']} — {out['verdict']}")
@@ -127,9 +158,11 @@ def _print_outcome(console, out: dict[str, Any], as_json: bool) -> None:
         for f in diag.get("findings", []):
             console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
                           f"fix: {f.get('fix')}")
-    console.print(f"where to look: `asyncrl campaign status {out['campaign_id']}`; MLflow: "
-                  f"`mlflow ui --backend-store-uri {redact_uri(default_tracking_uri())}` (or "
-                  f"`asyncrl up`); registry: {redact_uri(default_url())}")
+    uri = default_tracking_uri()
+    link = Tracker(uri).run_url(out["mlflow_run_id"]) if out.get("mlflow_run_id") else None
+    console.print(f"where to look: `asyncrl campaign status {out['campaign_id']}`; "
+                  f"{where_to_look(uri)}" + (f" (this campaign: {link})" if link else "")
+                  + f"; registry: {redact_uri(default_url())}", soft_wrap=True)
 
 
 @campaign_app.command("launch")
@@ -160,6 +193,7 @@ def launch(
         campaign, _ = load_campaign(path)
     except CampaignError as e:
         _fail(str(e))
+    require_state_dir()
     from flows.campaign import new_campaign_id
 
     cid = campaign_id or new_campaign_id(campaign.name)
@@ -191,13 +225,12 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
         _fail(f"--deployment needs a Prefect server and PREFECT_API_URL is not set; {hint}")
     if not _answers(api.rstrip("/") + "/health"):
         _fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
-    _prefect_env()
+    from flows.deploy import FLOW_NAME  # importing flows configures Prefect before Prefect
+
+    full = f"{FLOW_NAME}/{name}"
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from flows.deploy import FLOW_NAME
-
-    full = f"{FLOW_NAME}/{name}"
     with get_client(sync_client=True) as client:
         try:
             client.read_deployment_by_name(full)
@@ -276,14 +309,24 @@ def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
 
 @campaign_app.command("list")
 def list_campaigns(as_json: bool = typer.Option(False, "--json")) -> None:
-    """Campaigns in the registry, newest first."""
+    """Campaigns in the registry, newest first. A campaign recorded as running whose owner
+    process is gone shows as crashed."""
+    from registry.ownership import effective_status
+
     db = _db()
-    rows = db.list_campaigns()
-    db.close()
+    try:
+        rows = db.list_campaigns()
+        for r in rows:
+            r["status"], r["owner"] = effective_status(db, r)
+            if r["status"] == "crashed":
+                r["verdict"] = _crashed_text(r["id"], r["owner"])
+    finally:
+        db.close()
     rows = sorted(rows, key=lambda r: r.get("created_at") or "", reverse=True)
     if as_json:
         typer.echo(json.dumps([{k: r[k] for k in ("id", "name", "status", "verdict",
-                                                   "created_at")} for r in rows], indent=2))
+                                                   "created_at", "owner")} for r in rows],
+                              indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -311,8 +354,13 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
     row = db.get_campaign(campaign_id)
     if row is None:
         _fail(f"no campaign {campaign_id!r}; `asyncrl campaign list` shows them")
-    data = {"id": row["id"], "name": row["name"], "status": row["status"],
-            "verdict": row.get("verdict"), "diagnosis": row.get("diagnosis"),
+    from registry.ownership import effective_status
+
+    status_now, owner = effective_status(db, row)
+    data = {"id": row["id"], "name": row["name"], "status": status_now,
+            "recorded_status": row["status"], "owner": owner,
+            "verdict": _crashed_text(campaign_id, owner) if status_now == "crashed"
+            else row.get("verdict"), "diagnosis": row.get("diagnosis"),
             "stages": db.stages(campaign_id), "runs": [], "promotions":
             db.promotions(campaign_id=campaign_id)}
     for r in db.runs(campaign_id):
@@ -325,11 +373,16 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
         typer.echo(json.dumps(data, indent=2, default=str))
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console()
-    con.print(f"campaign [bold]{data['id']}[/] ({data['name']}): {data['status']}"
-              + (f" — {data['verdict']}" if data.get("verdict") else ""))
+    con.print(f"campaign [bold]{escape(data['id'])}[/] ({escape(data['name'])}): "
+              f"{data['status']}"
+              + (f" — {escape(data['verdict'])}" if data.get("verdict") else ""))
+    if data["status"] == "running" and owner is not None:
+        con.print(f"owner: asyncrl {escape(owner['describe'])}, last heartbeat "
+                  f"{owner['heartbeat_at']}")
     t = Table()
     for c in ("stage", "candidate", "status", "reward", "eval", "gates"):
         t.add_column(c)
@@ -346,6 +399,11 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
 
 def _num(v: Any) -> str:
     return "—" if v is None else f"{float(v):.3g}"
+
+
+def _crashed_text(campaign_id: str, owner: dict[str, Any] | None) -> str:
+    who = f"owner {owner['describe']} is gone" if owner else "no owner process recorded"
+    return f"crashed ({who}); resume with: asyncrl campaign resume {campaign_id}"
 
 
 # --- registry -----------------------------------------------------------------------------------
@@ -451,26 +509,64 @@ def _history(run: Path) -> list[dict[str, Any]]:
     return []
 
 
+def _recorded_judgement(run: Path) -> tuple[dict[str, Any] | None, str]:
+    """What a campaign judged ``run`` with (``judged_with`` of its gate_report.json), and a
+    phrase naming it; ``(None, why)`` when the run has none."""
+    report_path = (run if run.is_dir() else run.parent) / "gate_report.json"
+    if not report_path.is_file():
+        return None, "no gate_report.json: not judged by a campaign"
+    try:
+        judged = json.loads(report_path.read_text()).get("judged_with")
+    except (OSError, ValueError, AttributeError):
+        return None, f"{report_path} is unreadable"
+    if not isinstance(judged, dict) or not isinstance(judged.get("gates"), list):
+        return None, f"{report_path} records no gate configuration (written by an older asyncrl)"
+    where = "/".join(str(judged[k]) for k in ("campaign_id", "stage", "candidate")
+                     if judged.get(k))
+    return judged, f"the gates, parameters and context campaign run {where or run} was judged with"
+
+
 def gates_cmd(
     run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
-    gate: list[str] = typer.Option([], "--gate", help="Only these gates (default: all, with "
-                                   "their default parameters)."),
+    gate: list[str] = typer.Option([], "--gate", help="Only these gates."),
+    defaults: bool = typer.Option(False, "--defaults", help="Judge with every gate at its "
+                                  "default parameters instead of the configuration the run's "
+                                  "campaign recorded."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Evaluate stability gates on a run's metric history."""
+    """Evaluate stability gates on a run's metric history: with the gates, parameters, reference
+    and context its campaign judged it with (recorded in gate_report.json), else — or with
+    --defaults — every gate at its defaults. The first line says which. Exit 3 if one fails."""
     from registry.gates import evaluate_gate, gate_names
 
     history = _history(run)
-    names = gate or gate_names()
+    judged, source = (None, "--defaults") if defaults else _recorded_judgement(run)
+    if judged is None:
+        specs = [{"name": n, "params": {}, "relative_to": None} for n in (gate or gate_names())]
+        used = f"every gate at its default parameters ({source})" if not gate else \
+            f"default parameters ({source})"
+        references: dict[str, Any] = {}
+        context: dict[str, Any] = {}
+    else:
+        specs = [g for g in judged["gates"] if not gate or g.get("name") in gate]
+        specs += [{"name": n, "params": {}, "relative_to": None} for n in gate
+                  if n not in {g.get("name") for g in specs}]  # asked for, not in the campaign
+        used = f"{source}; --defaults for every gate at its defaults"
+        references = judged.get("references") or {}
+        context = judged.get("context") or {}
     try:
-        results = [evaluate_gate(n, history).to_dict() for n in names]
+        results = [evaluate_gate(g["name"], history, g.get("params") or {},
+                                 reference=references.get(g["relative_to"])
+                                 if g.get("relative_to") else None,
+                                 context=context).to_dict() for g in specs]
     except (KeyError, ValueError) as e:
         _fail(str(e.args[0]) if e.args else str(e))
     if as_json:
-        typer.echo(json.dumps(results, indent=2))
-        return
-    for r in results:
-        typer.echo(f"{'PASS' if r['passed'] else 'FAIL'} {r['name']}: {r['evidence']}")
+        typer.echo(json.dumps({"judged_with": used, "results": results}, indent=2))
+    else:
+        typer.echo(f"judged with {used}")
+        for r in results:
+            typer.echo(f"{'PASS' if r['passed'] else 'FAIL'} {r['name']}: {r['evidence']}")
     if not all(r["passed"] for r in results):
         raise typer.Exit(3)
 

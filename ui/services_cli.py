@@ -195,9 +195,9 @@ def _mlflow_store(uri: str | None = None) -> str:
 
 
 def _prefect_home() -> Path:
-    from training.paths import state_dir
+    from flows.environment import prefect_defaults
 
-    return Path(os.environ.get("PREFECT_HOME") or state_dir() / "prefect")
+    return Path(os.environ.get("PREFECT_HOME") or prefect_defaults()["PREFECT_HOME"])
 
 
 def service_spec(name: str, port: int, store: str | None = None) -> dict[str, Any]:
@@ -323,6 +323,9 @@ def up(
         _fail("nothing to start: drop --no-prefect or --no-mlflow")
     if len(wanted) == 2 and prefect_port == mlflow_port:
         _fail(f"--prefect-port and --mlflow-port are both {prefect_port}; choose two ports")
+    from ui.campaign_cli import require_state_dir
+
+    require_state_dir()
     record = _load_record()
     running: list[str] = []
     to_start: dict[str, dict[str, Any]] = {}
@@ -400,12 +403,18 @@ def deploy(
     path: Path = typer.Argument(..., metavar="CAMPAIGN.yaml", help="Campaign file."),
     cron: str | None = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * *' "
                                     "(default: no schedule, runs on demand)."),
+    interval: float | None = typer.Option(
+        None, "--interval", min=1.0, help="Run every this many seconds (an interval schedule; "
+        "instead of --cron)."),
     name: str | None = typer.Option(None, "--name", help="Deployment name (default: the "
                                     "campaign's name)."),
 ) -> None:
     """Serve the campaign as a Prefect deployment on the server at PREFECT_API_URL, in the
-    foreground (Ctrl-C stops serving). Each run is a new campaign. Trigger one from the UI or
-    with `prefect deployment run 'asyncrl-scheduled-campaign/NAME'`."""
+    foreground (Ctrl-C stops serving). Each run is a new campaign; runs go one at a time (a
+    scheduled run waits while another campaign trains). Trigger one from the UI or with
+    `prefect deployment run 'asyncrl-scheduled-campaign/NAME'`."""
+    if cron is not None and interval is not None:
+        _fail("--cron and --interval are two schedules; pass one")
     from registry.campaign import CampaignError, load_campaign
 
     try:
@@ -431,22 +440,22 @@ def deploy(
                   "e.g. '0 3 * * *' (minute hour day month weekday)")
     deployment = name or campaign.name
 
-    from training.paths import ENV_VAR, state_dir
-    from ui.campaign_cli import _prefect_env
+    from training.paths import ENV_VAR, state_path
+    from ui.campaign_cli import require_state_dir
 
-    # Flow runs start in subprocesses: pin the state directory so they use this one.
-    os.environ[ENV_VAR] = str(state_dir())
-    _prefect_env()
-    from flows.deploy import FLOW_NAME, scheduled_campaign_flow
+    require_state_dir()
+    os.environ[ENV_VAR] = str(state_path())  # flow runs start in subprocesses: pin this one
+    from flows.deploy import FLOW_NAME, scheduled_campaign_flow  # configures Prefect first
 
     full = f"{FLOW_NAME}/{deployment}"
+    schedule = (f"cron '{cron}'" if cron else f"every {interval:g} s" if interval else None)
     typer.echo(f"serving deployment '{full}' on {api}"
-               + (f" (cron '{cron}')" if cron else " (no schedule; runs on demand)"))
+               + (f" ({schedule})" if schedule else " (no schedule; runs on demand)"))
     typer.echo(f"  run it now: prefect deployment run '{full}'")
-    typer.echo("  Ctrl-C stops serving" + (" (and pauses the schedule)." if cron else "."))
+    typer.echo("  Ctrl-C stops serving" + (" (and pauses the schedule)." if schedule else "."))
     with contextlib.suppress(KeyboardInterrupt):
         scheduled_campaign_flow.serve(
-            name=deployment, cron=cron,
+            name=deployment, cron=cron, interval=interval, limit=1,
             parameters={"campaign_path": str(Path(path).resolve())},
             print_starting_message=False)
     typer.echo("stopped serving")
@@ -575,12 +584,9 @@ def _mlflow_compare_url(a: Path, b: Path) -> str | None:
     ids = _mlflow_run_ids([a, b])
     if not all(ids):
         return None
-    from flows.tracking import DEFAULT_UI_URL, UI_URL_ENV
+    from flows.tracking import Tracker
 
-    tracking = os.environ.get("MLFLOW_TRACKING_URI", "")
-    base = tracking if tracking.startswith(("http://", "https://")) \
-        else os.environ.get(UI_URL_ENV, DEFAULT_UI_URL)
-    return f"{base.rstrip('/')}/#/compare-runs?runs={json.dumps(ids, separators=(',', ':'))}"
+    return Tracker().compare_url([str(i) for i in ids])
 
 
 def _fmt(v: Any) -> str:

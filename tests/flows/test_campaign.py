@@ -42,6 +42,17 @@ CAMPAIGN = {
 }
 
 
+# no candidate can pass: one-step training is one step stale and the gate allows none
+STOPPING = {
+    "name": "e2estop",
+    "base": TINY,
+    "stages": [{"name": "only",
+                "candidates": [{"name": "one-step", "overrides": {
+                    "async": {"mode": "one_step"}, "algorithm": {"old_logprob": "snapshot"}}}],
+                "gates": [{"name": "staleness_within_bound", "params": {"max_staleness": 0}}]}],
+}
+
+
 @pytest.fixture(scope="module")
 def campaign_run(tmp_path_factory):
     import os
@@ -54,6 +65,8 @@ def campaign_run(tmp_path_factory):
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     path = home / "e2e.yaml"
     path.write_text(yaml.safe_dump(CAMPAIGN))
+    stop_path = home / "e2estop.yaml"
+    stop_path.write_text(yaml.safe_dump(STOPPING))
     import ray
 
     from flows.campaign import campaign_flow
@@ -62,7 +75,8 @@ def campaign_run(tmp_path_factory):
         with prefect_test_harness(server_startup_timeout=120):
             first = campaign_flow(str(path), "e2e-1")
             again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
-        yield home, first, again
+            stopped = campaign_flow(str(stop_path), "e2e-stop", return_state=True)
+        yield home, first, again, stopped
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -74,7 +88,7 @@ def campaign_run(tmp_path_factory):
 
 
 def test_promotions_follow_the_gates(campaign_run):
-    _, out, _ = campaign_run
+    _, out, _, _ = campaign_run
     assert out["status"] == "finished", out["verdict"]
     assert out["promoted"]["baseline"]["candidate"] == "default"
     assert out["promoted"]["async"]["candidate"] == "sync"
@@ -130,7 +144,7 @@ def test_every_gate_and_the_diagnosis_run_on_the_real_metrics(campaign_run):
 
 
 def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
-    _, out, again = campaign_run
+    _, out, again, _ = campaign_run
     from mlflow import MlflowClient
 
     from flows.campaign import model_name
@@ -159,3 +173,58 @@ def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
     sync_run = next(r for r in children if r.data.tags.get("asyncrl.candidate") == "sync")
     assert champion.run_id == sync_run.info.run_id
     assert again["promoted"] == out["promoted"]
+
+
+def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
+    """No passing candidate: the flow run is Failed with the verdict as its message (Prefect
+    automations and alerts fire), the MLflow parent run is FAILED, the outcome is still read."""
+    *_, state = campaign_run
+    assert state.type.value == "FAILED"
+    out = state.result(raise_on_failure=False)
+    assert out["status"] == "stopped" and state.message == out["verdict"]
+    assert "no candidate passed its gates (one-step: staleness_within_bound)" in out["verdict"]
+    from mlflow import MlflowClient
+
+    from flows.tracking import default_tracking_uri
+    from registry.db import RegistryDB
+
+    parent = MlflowClient(tracking_uri=default_tracking_uri()).get_run(out["mlflow_run_id"])
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["asyncrl.verdict"] == out["verdict"]
+    db = RegistryDB()
+    assert db.get_campaign("e2e-stop")["status"] == "stopped"
+    db.close()
+
+
+def test_gates_command_rejudges_with_the_recorded_configuration(campaign_run):
+    """`asyncrl gates RUN` on a candidate the campaign rejected reaches the campaign's verdict on
+    every gate (its params, reference and context), and says which configuration it used."""
+    from typer.testing import CliRunner
+
+    from registry.db import RegistryDB
+    from ui.cli import app
+
+    db = RegistryDB()
+    runs = {(r["stage"], r["candidate"]): r for r in db.runs("e2e-1")}
+    run = runs[("async", "one-step")]
+    recorded = {g["name"]: g for g in db.gate_results(run["id"])}
+    db.close()
+    res = CliRunner().invoke(app, ["gates", run["run_dir"], "--json"])
+    assert res.exit_code == 3, res.output
+    data = json.loads(res.stdout)
+    assert "e2e-1/async/one-step" in data["judged_with"]
+    got = {r["name"]: r for r in data["results"]}
+    assert set(got) == set(recorded) == {"staleness_within_bound", "logprob_diff_flat"}
+    for name, r in got.items():
+        assert (r["passed"], r["value"], r["threshold"]) == (
+            recorded[name]["passed"], recorded[name]["value"], recorded[name]["threshold"])
+    assert got["staleness_within_bound"]["passed"] is False
+    text = CliRunner().invoke(app, ["gates", run["run_dir"]]).stdout.splitlines()
+    assert text[0].startswith("judged with the gates, parameters and context campaign run "
+                              "e2e-1/async/one-step was judged with")
+    assert "FAIL staleness_within_bound" in text[1] + text[2]
+    # --defaults: every gate at its defaults, and the line says so
+    res = CliRunner().invoke(app, ["gates", run["run_dir"], "--defaults", "--json"])
+    data = json.loads(res.stdout)
+    assert data["judged_with"].startswith("every gate at its default parameters")
+    assert len(data["results"]) == 9

@@ -5,6 +5,12 @@ candidate; after the second promotion, before the stage is marked finished. The 
 finishes with no lost or duplicated MLflow runs, metric points, model versions, registry rows,
 gate results, promotions or trained steps.
 
+Between the kills, two terminals: after the first kill `campaign status` says the campaign
+crashed (its owner PID is gone) and names the resume command; the fourth step starts two
+`campaign resume ID` at once — exactly one runs, the other is refused in one line naming the
+owner, and nothing is duplicated. Prefect's task results stay in the state directory (not in
+``~/.prefect``), so a resume hits the cache of the tasks that finished before a kill.
+
 The two kills during training are sent from outside (SIGKILL once the run has logged steps); the
 three at exact places between tasks use the flow's fault-injection hook (``ASYNCRL_CRASH_AT``,
 :func:`flows.campaign.crash_point`), which SIGKILLs the process itself at that line."""
@@ -149,9 +155,21 @@ def _launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _status(cid: str, env: dict[str, str]) -> dict:
+    res = subprocess.run([sys.executable, "-m", "ui.cli", "campaign", "status", cid, "--json"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
 def test_kill_9_at_five_points_then_resume(tmp_path):
     home = tmp_path / "home"
-    env = {**os.environ, "ASYNCRL_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+    user_home = tmp_path / "user"  # the user's ~: nothing of Prefect's may land there
+    user_home.mkdir()
+    env = {**os.environ, "ASYNCRL_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0",
+           "HOME": str(user_home)}
+    for var in [k for k in env if k.startswith("PREFECT_")]:
+        env.pop(var)
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("ASYNCRL_REGISTRY_URL", None)
     path = tmp_path / "killtest.yaml"
@@ -163,6 +181,10 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
     proc = _launch(["campaign", "launch", str(path), "--id", cid], env)
     _kill9_when(proc, lambda: _step_lines(runs / "s1" / "default" / "metrics.jsonl") >= 2,
                 "two steps of s1")
+    status = _status(cid, env)
+    assert status["status"] == "crashed" and status["recorded_status"] == "running"
+    assert f"owner PID {proc.pid} on " in status["verdict"]
+    assert f"asyncrl campaign resume {cid}" in status["verdict"]
 
     from mlflow import MlflowClient
 
@@ -207,8 +229,28 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
         finally:
             db.close()
 
+    # two terminals resume at once: one runs, the other is refused in one line naming it
     proc = _launch(["campaign", "resume", cid], env)
-    _kill9_when(proc, s1_promoted_and_s2_running, "s1 promoted and s2 training")
+    other = _launch(["campaign", "resume", cid], env)
+    refused, running = None, None
+    deadline = time.monotonic() + 300
+    while refused is None:
+        assert time.monotonic() < deadline, "neither resume was refused"
+        for a, b in ((proc, other), (other, proc)):
+            if a.poll() is not None:
+                refused, running = a, b
+        time.sleep(0.2)
+    err = refused.communicate()[1].decode()
+    assert refused.returncode == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"error: campaign {cid} is being run by asyncrl PID "
+                               f"{running.pid} on "), lines[0]
+    time.sleep(1.0)
+    for p in _session(refused.pid):  # a temporary Prefect API the refused one started
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+    _kill9_when(running, s1_promoted_and_s2_running, "s1 promoted and s2 training")
 
     # 5. after s2's promotion, before the stage is marked finished
     _crash_at("promoted:s2", ["campaign", "resume", cid], env, tmp_path / "crash3.log")
@@ -256,3 +298,9 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
     assert sorted(p["mlflow_version"] for p in promos) == ["1", "2"]
     champion = client.get_model_version_by_alias("asyncrl-killtest", "champion")
     assert str(champion.version) == "2"
+    assert parents[0].info.status == "FINISHED"
+    assert "died; resumed by" in parents[0].data.tags["asyncrl.recovered_from_crash"]
+    assert _status(cid, env)["status"] == "finished"
+    # Prefect ran with asyncrl's settings: its results under the state directory, none in ~
+    assert any((home / "prefect" / "storage").iterdir())
+    assert not (user_home / ".prefect").exists()

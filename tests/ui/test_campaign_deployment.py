@@ -137,3 +137,62 @@ def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str])
                 serve.wait(10)
         down = _cli(["down"], env)
         assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    """Scheduling from the Prefect UI: `asyncrl deploy --interval` on a real Prefect server gets
+    scheduled runs (Prefect's scheduler inserts them: with SQLAlchemy 2.1 it raised every minute
+    and inserted none) and the served process runs one to a finished campaign."""
+    import httpx
+
+    path = tmp_path / "deploytest.yaml"
+    path.write_text(yaml.safe_dump(CAMPAIGN))
+    port = _free_port()
+    up = _cli(["up", "--no-mlflow", "--prefect-port", str(port), "--timeout", "180"], env)
+    assert up.returncode == 0, up.stdout + up.stderr
+    api = env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    serve = None
+    try:
+        serve = subprocess.Popen([sys.executable, "-m", "ui.cli", "deploy", str(path),
+                                  "--interval", "30"], env=env, cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        deadline = time.monotonic() + 420
+        finished = None
+        while finished is None:
+            assert serve.poll() is None, serve.communicate()[0].decode()[-3000:]
+            assert time.monotonic() < deadline, "no scheduled run finished a campaign"
+            time.sleep(3)
+            runs = httpx.post(f"{api}/flow_runs/filter", json={
+                "limit": 50, "sort": "EXPECTED_START_TIME_ASC"},
+                              timeout=30).json()
+            scheduled = [r for r in runs if r.get("auto_scheduled")]
+            done = [r for r in scheduled if r["state"]["type"] == "COMPLETED"]
+            failed = [r for r in scheduled if r["state"]["type"] in ("FAILED", "CRASHED")]
+            assert not failed, failed[0]["state"]
+            if done:
+                finished = done[0]
+        assert len(scheduled) >= 2  # the schedule keeps inserting runs, not just one
+        dep = httpx.get(f"{api}/deployments/{finished['deployment_id']}", timeout=30).json()
+        assert dep["name"] == "deploytest"
+
+        from registry.db import RegistryDB
+
+        home = Path(env["ASYNCRL_HOME"])
+        db = RegistryDB(f"sqlite:///{home / 'registry.db'}")
+        done_campaigns = [c for c in db.list_campaigns() if c["status"] == "finished"]
+        assert done_campaigns and done_campaigns[0]["id"].startswith("deploytest-")
+        assert [p["stage"] for p in db.promotions(campaign_id=done_campaigns[0]["id"])] == [
+            "only"]
+        db.close()
+    finally:
+        if serve is not None and serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C: stop serving
+            try:
+                serve.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.pid, signal.SIGKILL)
+                serve.wait(10)
+        down = _cli(["down"], env)
+        assert down.returncode == 0, down.stdout + down.stderr

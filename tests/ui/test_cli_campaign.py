@@ -209,10 +209,12 @@ def test_gates_and_diagnose_on_a_run_directory(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = runner.invoke(app, ["gates", str(tmp_path), "--gate", "logprob_diff_flat"])
     assert res.exit_code == 3  # a failing gate
-    assert res.stdout.startswith("FAIL logprob_diff_flat")
+    first, second = res.stdout.splitlines()[:2]
+    assert first.startswith("judged with default parameters (no gate_report.json")
+    assert second.startswith("FAIL logprob_diff_flat")
     res = runner.invoke(app, ["gates", str(tmp_path), "--gate", "reward_not_collapsed",
                               "--json"])
-    assert res.exit_code == 0 and json.loads(res.stdout)[0]["passed"] is True
+    assert res.exit_code == 0 and json.loads(res.stdout)["results"][0]["passed"] is True
     res = runner.invoke(app, ["diagnose", str(tmp_path), "--json"])
     assert res.exit_code == 0 and "A" in json.loads(res.stdout)["causes"]
     res = runner.invoke(app, ["gates", str(tmp_path / "nope")])

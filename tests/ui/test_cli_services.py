@@ -229,13 +229,54 @@ def test_compare_json(cli, home: Path, two_runs) -> None:
     assert data["mlflow_compare_url"] is None
 
 
-def test_compare_link_from_registry(cli, home: Path, two_runs, monkeypatch) -> None:
+def test_links_resolve_on_a_running_mlflow_server(cli, home: Path, two_runs,
+                                                 monkeypatch) -> None:
+    """`compare`'s link, a run's link and the "where to look" hint, against a real MLflow server
+    (`asyncrl up`): the link's base serves the UI, and every run and experiment it names exists
+    there (MLflow's compare page needs both lists: without `experiments` it shows
+    '"undefined" is not valid JSON')."""
+    from urllib.parse import parse_qs
+
+    import httpx
+
     a, b = two_runs
-    monkeypatch.setattr(services_cli, "_mlflow_run_ids", lambda dirs: ["ra", "rb"])
-    monkeypatch.setenv("ASYNCRL_MLFLOW_UI_URL", "http://127.0.0.1:5999/")
-    data = json.loads(runner.invoke(cli, ["compare", str(a), str(b), "--json"]).stdout)
-    assert data["mlflow_compare_url"] == \
-        'http://127.0.0.1:5999/#/compare-runs?runs=["ra","rb"]'
+    port = _free_port()
+    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    assert r.exit_code == 0, r.output
+    uri = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    try:
+        from flows.tracking import Tracker, where_to_look
+        from registry.db import RegistryDB
+
+        tracker = Tracker()
+        exp = tracker.experiment("asyncrl/linktest")
+        ids = [tracker.client.create_run(exp).info.run_id for _ in range(2)]
+        db = RegistryDB()  # the two run directories are a campaign's candidate runs
+        db.create_campaign("c1", "c", {"stages": []})
+        db.put_recipe("h" * 64, "r", "name: r\n")
+        for run_dir, run_id, cand in zip((a, b), ids, ("a", "b"), strict=True):
+            db.upsert_run("c1", "s", cand, "h" * 64, run_dir=str(run_dir), mlflow_run_id=run_id)
+        db.close()
+
+        data = json.loads(runner.invoke(cli, ["compare", str(a), str(b), "--json"]).stdout)
+        base, sep, query = data["mlflow_compare_url"].partition("/#/compare-runs?")
+        assert sep and base == uri
+        params = parse_qs(query)
+        assert json.loads(params["runs"][0]) == ids
+        assert json.loads(params["experiments"][0]) == [exp]
+        assert httpx.get(base + "/", timeout=30).status_code == 200
+        for run_id in ids:
+            got = httpx.get(f"{uri}/api/2.0/mlflow/runs/get", params={"run_id": run_id},
+                            timeout=30).json()
+            assert got["run"]["info"]["experiment_id"] == exp
+        assert httpx.get(f"{uri}/api/2.0/mlflow/experiments/get",
+                         params={"experiment_id": exp}, timeout=30).status_code == 200
+        assert tracker.run_url(ids[0]) == f"{uri}/#/experiments/{exp}/runs/{ids[0]}"
+        hint = where_to_look(uri)  # a server URL is not a store: no `mlflow ui` command
+        assert uri in hint and "mlflow ui" not in hint
+    finally:
+        assert runner.invoke(cli, ["down"]).exit_code == 0
 
 
 def test_compare_missing_run_dir(cli, home: Path, two_runs, tmp_path: Path) -> None:

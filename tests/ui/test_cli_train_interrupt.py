@@ -1,5 +1,6 @@
 """Ctrl-C during `asyncrl train`: a clean stop (exit 130, resume hint), no engine server or Ray
-process left behind, and the run resumes from its checkpoint."""
+process left behind, and the run resumes from its checkpoint. While it runs, a second
+`asyncrl train --resume` of the same run directory is refused in one line naming the owner."""
 
 from __future__ import annotations
 
@@ -67,6 +68,14 @@ def test_ctrl_c_stops_cleanly_and_resumes(tmp_path):
             time.sleep(0.2)
         assert _step_lines(run_dir / "metrics.jsonl") >= 3, "training did not start in time"
         assert _pids_matching(str(home)), "expected engine servers serving from the state dir"
+        # a second terminal resuming the live run is refused, in one line naming the owner
+        second = subprocess.run([sys.executable, "-m", "ui.cli", "train", str(recipe),
+                                 "--resume", str(run_dir)], env=env, capture_output=True,
+                                text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+        assert f"is in use by asyncrl PID {proc.pid} on " in second.stderr, second.stderr
+        assert proc.poll() is None  # the owner was not disturbed
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
         out, err = proc.communicate(timeout=90)
     finally:
