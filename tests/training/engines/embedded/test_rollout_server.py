@@ -1,5 +1,6 @@
 """The embedded rollout server over real HTTP: two server subprocesses (a dense bf16 one started
-through `asyncrl engine serve`, an MoE fp32 one) on free ports, shared by the module."""
+through `asyncrl engine serve`, an MoE fp32 one) on free ports, shared by the module (the
+``servers`` and ``ckpts`` fixtures of this package's conftest)."""
 
 import asyncio
 import base64
@@ -15,41 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from training.engines.embedded.launch import EmbeddedServer, free_port, start_all
-from training.engines.hf_io import load_hf_dir, save_hf_dir
-from training.engines.model import CausalLM, ModelConfig
+from training.engines.embedded.launch import free_port
+from training.engines.hf_io import load_hf_dir
 from training.engines.sampling import sampling_log_probs
 from training.tasks.tokenizer import CharTokenizer
 
 PROMPT = [1, *CharTokenizer().encode("3+4+1=")]
 HTTP = httpx.Client(timeout=60)  # one pool: a fresh client per poll costs ~10-50 ms
-
-
-def _checkpoint(path, *, experts=0, seed=0, version=0):
-    cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, intermediate_size=96,
-                      max_position_embeddings=512, num_experts=experts, num_experts_per_tok=2)
-    return save_hf_dir(path, CausalLM(cfg).init_weights(seed, std=0.15), CharTokenizer(),
-                       weight_version=version)
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {"dense": _checkpoint(root / "dense"), "dense_b": _checkpoint(root / "b", seed=1),
-            "moe": _checkpoint(root / "moe", experts=4)}
-
-
-@pytest.fixture(scope="module")
-def servers(ckpts, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    dense = EmbeddedServer(ckpts["dense"], dtype="bf16", max_batch=16, log_path=logs / "d.log",
-                           entry=[sys.executable, "-m", "ui.cli", "engine", "serve"])
-    moe = EmbeddedServer(ckpts["moe"], dtype="fp32", max_batch=16, log_path=logs / "m.log")
-    start_all([dense, moe])
-    yield {"dense": dense.url, "moe": moe.url}
-    dense.stop()
-    moe.stop()
 
 
 def _gen(url, prompt=PROMPT, timeout=60, **kw):
