@@ -12,6 +12,8 @@ from training.engines.rollout import (
     SamplingParams,
     decode_routed_experts,
     encode_routed_experts,
+    parse_weight_version,
+    weight_version_label,
 )
 
 
@@ -101,6 +103,19 @@ def test_generate_result_defaults_for_plain_sglang_fields():
     assert r.output_logprobs is None and r.routed_experts is None
     with pytest.raises(RolloutEngineError, match="moe_layout"):
         GenerateResult.from_sglang({"output_ids": [], "meta_info": {"routed_experts": ""}}, [1])
+
+
+def test_weight_versions_go_out_as_labels_and_come_back_as_the_ints_named():
+    for v in (0, 1, 7, 12345678901234):
+        assert weight_version_label(v) == str(v) and parse_weight_version(str(v)) == v
+    assert parse_weight_version(None) == parse_weight_version("default") == 0  # SGLang's start
+    assert parse_weight_version(5) == 5  # a bare JSON integer (older asyncrl engines)
+    for bad in (-1, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="integer >= 0"):
+            weight_version_label(bad)
+    for foreign in ("v7", "-3", " 7", "7.0", "", "٣", True, 1.5, [7]):
+        with pytest.raises(RolloutEngineError, match="a label asyncrl did not give"):
+            parse_weight_version(foreign)
 
 
 def test_model_info_reads_embedded_and_sglang_shapes():

@@ -251,10 +251,6 @@ class _FlushCache(_Body):  # FlushCacheReqInput
 # load formats that read this server's checkpoints (HF safetensors); SGLang's others (dummy,
 # gguf, bitsandbytes, …) do not apply
 _LOAD_FORMATS = (None, "auto", "safetensors")
-# a request that asks the load to keep generation paused afterwards: a load here never pauses
-_NO_KEEP_PAUSE = "keep_pause: a weight load here never pauses generation; omit it and call " \
-                 "/pause_generation"
-
 
 # endpoints whose SGLang answers carry `success` (also on a refusal here)
 _WEIGHT_PATHS = frozenset({
@@ -293,14 +289,16 @@ def _validation_message(e: ValidationError, model: type[_Body]) -> str:
     errors = e.errors(include_url=False)
     first = errors[0]
     field = ".".join(str(p) for p in first["loc"]) or "body"
-    fields = ", ".join(name for name in model.model_fields if name != "rid")
-    if first["type"] == "missing":
-        problem = f"{field} is required"
-    else:
-        problem = f"{field}: {first['msg'][0].lower()}{first['msg'][1:]}, got " \
-                  f"{brief_repr(first.get('input'))}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{problem}{more}; the fields are {fields} (SGLang's types)"
+    if first["type"] == "missing":
+        required = [n for n, f in model.model_fields.items() if f.is_required()]
+        return f"{field} is required{more}; send {', '.join(required)}"
+    value = first.get("input")
+    message = f"{field}: {first['msg'][0].lower()}{first['msg'][1:]}, got {brief_repr(value)}{more}"
+    if first["type"] == "string_type" and isinstance(value, int | float) \
+            and not isinstance(value, bool):
+        message += f' (SGLang\'s type is a string: send "{value}")'
+    return message
 
 
 # ------------------------------------------------------------------------------------------------
@@ -639,8 +637,9 @@ def create_app(state: ServerState) -> FastAPI:
         if body.load_format not in _LOAD_FORMATS:
             raise BodyError(f"load_format {body.load_format!r}: this server loads HF safetensors "
                             "checkpoints; send auto or omit it")
-        if body.keep_pause:
-            raise BodyError(_NO_KEEP_PAUSE)
+        if body.keep_pause:  # SGLang pauses for a load and can stay paused; a load here never
+            raise BodyError("keep_pause: a weight load here never pauses generation; omit it "
+                            "and call /pause_generation")
         async with state.update_lock:
             try:
                 model, _, ckpt_label = await asyncio.get_running_loop().run_in_executor(
