@@ -42,6 +42,10 @@ def pytest_configure(config):
     that does not choose its own state directory shares one temporary directory."""
     if "ASYNCRL_HOME" not in os.environ:
         os.environ["ASYNCRL_HOME"] = tempfile.mkdtemp(prefix="asyncrl-test-home-")
+    # as every entry point does: configure Prefect/MLflow/Ray before any test imports them
+    from flows.environment import configure
+
+    configure()
 
 
 # --- PostgreSQL ---------------------------------------------------------------------------------

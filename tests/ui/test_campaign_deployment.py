@@ -54,7 +54,8 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     e = {**os.environ, "ASYNCRL_HOME": str(tmp_path / "home"), "RAY_USAGE_STATS_ENABLED": "0"}
-    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "ASYNCRL_REGISTRY_URL"):
+    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "ASYNCRL_REGISTRY_URL", "PREFECT_HOME",
+                "PREFECT_RESULTS_LOCAL_STORAGE_PATH"):  # its own home decides them
         e.pop(var, None)
     return e
 
