@@ -64,6 +64,8 @@ from training.yamlfile import (
     YamlInt,
     YamlOptFloat,
     YamlOptInt,
+    describe,
+    escape_controls,
     format_validation_error,
     plain_copy,
     read_yaml,
@@ -874,38 +876,49 @@ def _plain(value: Any, what: str) -> Any:
 
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Deep-merge ``overrides`` into a copy of ``data``. Keys may be dotted (``async.mode``).
-    A mapping merges into a mapping; any other value replaces. Changing a discriminator
-    (``async.mode``, ``algorithm.correction.kind``) drops the old variant's other fields that the
-    new variant does not accept.
+    A mapping merges into a mapping (or fills a missing or null one); any other value replaces.
+    Changing a discriminator (``async.mode``, ``algorithm.correction.kind``) drops the old
+    variant's other fields that the new variant does not accept.
 
     Both are copied by :func:`training.yamlfile.plain_copy` first (integer keys become strings,
     as they would through JSON): anything but plain data, a cycle, or more data than an alias
-    bomb should expand to is a one-line :class:`RecipeError`, and neither input is changed."""
+    bomb should expand to is a one-line :class:`RecipeError`, and neither input is changed. So is
+    a mapping given where an earlier value is a scalar (``algorithm: 5`` in a stage, then a
+    candidate's ``algorithm: {...}``): merging would hide the bad value instead of reporting it."""
     out = _plain(dict(data), "recipe")
     for key, value in _plain(dict(overrides), "overrides").items():
         parts = key.split(".")
         node = out
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
+        for i, part in enumerate(parts[:-1]):
+            node = _section(node, part, ".".join(parts[:i + 1]))
         last = parts[-1]
-        if isinstance(value, dict) and isinstance(node.get(last), dict):
-            node[last] = _merge(node[last], value)
+        if isinstance(value, dict) and node.get(last) is not None:
+            node[last] = _merge(_section(node, last, key), value, key)
         else:
             node[last] = value
     return out
 
 
-def _merge(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def _section(node: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+    """``node[key]``, a mapping (created when missing or null) that an override merges into."""
+    if node.get(key) is None:
+        node[key] = {}
+    elif not isinstance(node[key], dict):
+        raise RecipeError(f"overrides: {escape_controls(path)} is {describe(node[key])} (in the "
+                          "recipe or an earlier override), so a mapping cannot be merged into "
+                          "it; make it a mapping")
+    return node[key]
+
+
+def _merge(base: dict[str, Any], new: dict[str, Any], path: str) -> dict[str, Any]:
     """``new`` merged into ``base``; both are fresh plain copies owned by the caller."""
     tag = next((k for k in ("mode", "kind") if k in new and k in base and new[k] != base[k]), None)
     if tag is not None:  # switching variant: start from the new one
         return new
     out = dict(base)
     for k, v in new.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+        if isinstance(v, dict) and out.get(k) is not None:
+            out[k] = _merge(_section(out, k, f"{path}.{k}"), v, f"{path}.{k}")
         else:
             out[k] = v
     return out

@@ -53,9 +53,10 @@ __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_INT_CHARS", "AliasError", "Duplic
 UnionTags = Mapping[str, tuple[str, tuple[str, ...]]]
 
 MAX_ERRORS = 3  # validation errors spelled out; the rest are counted as "(+N more)"
-# The shipped recipes and campaigns are under 5 KB. 256 KiB parses in about a second with
-# libyaml on a busy 2-core machine (1.3 MB took 2.9 s; the pure-Python parser is 5x slower).
-MAX_FILE_BYTES = 256 * 1024
+# The shipped recipes and campaigns are under 5 KB. The densest 64 KiB (a flow list of 32k
+# integers) loads in ~0.2 s with libyaml on a 2-core machine, ~0.8 s when it is busy (the
+# pure-Python parser is 5x slower): never a hang, and 13 times the largest shipped file.
+MAX_FILE_BYTES = 64 * 1024
 MAX_DEPTH = 64  # nesting levels of a file (a recipe needs 4, a campaign's overrides about 8)
 MAX_NODES = 100_000  # values plain_copy copies (a bomb's expansion stops here)
 # An integer of more characters is refused before int() sees it (Python refuses 4,300 digits
@@ -387,7 +388,7 @@ def read_yaml(path: str | Path, what: str, fix: str, error_cls: type[Exception])
 
     - ``"<what> file <path> does not exist; <fix>"``; ``"<path>: is a directory, not a <what>
       file; <fix>"``; ``"<path>: is not a regular file (...); <fix>"`` (a device such as
-      /dev/zero or a pipe is never read); ``"<path>: is larger than the 256 KiB ..."``;
+      /dev/zero or a pipe is never read); ``"<path>: is larger than the 64 KiB ..."``;
     - ``"<path>: is not readable (permission denied); check its permissions"``, or
       ``"<path>: cannot be read (<reason>); check the file"`` for another OS error;
     - ``"<path>: line <N> is not UTF-8 text (byte 0x<hh> at offset <K>); save it as UTF-8"``,
@@ -555,7 +556,7 @@ def error_location(loc: tuple[Any, ...], unions: UnionTags | None = None) -> str
             continue
         if parts and parts[-1] in unions and p in unions[parts[-1]][1]:
             continue  # the variant tag pydantic inserts after a union field
-        p = escape_controls(p)
+        p = escape_controls(p) or '""'  # an empty key is still a key
         parts.append(p if len(p) <= _MAX_PART else p[:_MAX_PART - 1] + "…")
     return ".".join(parts)
 
@@ -600,6 +601,9 @@ def format_validation_error(err: ValidationError, source: str, schema_hint: str,
         msg = _message(e, loc, unions, schema_hint)
         if key_error:
             msg = f"key: {msg}"
+        elif e["type"] == "invalid_key":  # the location is the key itself (null, true, 1)
+            loc = error_location(e["loc"][:-1], unions)
+            msg = f"key {describe(e.get('input'))} is not a field name (keys are strings)"
         part = f"{loc}: {msg}" if loc else msg  # cross-field errors name their fields
         if part not in parts:
             parts.append(part)

@@ -320,9 +320,11 @@ app.add_typer(schema_app, name="schema")
 def _register_platform_commands() -> None:
     from ui.campaign_cli import register
     from ui.services_cli import register as register_services
+    from ui.validate_cli import register as register_validate
 
     register(app, schema_app)
     register_services(app)
+    register_validate(app)
 
 
 _register_platform_commands()
@@ -438,7 +440,10 @@ def train(
     else:
         from training.paths import state_dir
 
-        run_dir = state_dir() / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # the name matches training.recipe's name pattern, so the directory stays under runs/;
+        # a campaign candidate's "<campaign>/<stage>/<candidate>" becomes one flat directory
+        name = recipe.name.replace("/", "-")
+        run_dir = state_dir() / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if resume is None:
         _check_writable(run_dir)
         if (run_dir / "recipe.yaml").exists():

@@ -467,3 +467,18 @@ def test_a_yaml_recipe_with_aliases_dates_or_big_numbers_is_one_line(tmp_path):
             load_recipe(path)
         msg = str(info.value)
         assert msg.startswith(f"{path}: ") and needle in msg and "\n" not in msg, (text, msg)
+
+
+def test_a_mapping_override_never_hides_a_scalar_given_before_it():
+    """A stage's `algorithm: 5` followed by a candidate's `algorithm: {...}` is an error, not a
+    silently valid recipe; null (an optional section switched off) still takes a mapping."""
+    staged = apply_overrides({}, {"algorithm": 5})
+    with pytest.raises(RecipeError) as info:
+        apply_overrides(staged, {"algorithm": {"routing_replay": "none"}})
+    assert str(info.value) == ("overrides: algorithm is the number 5 (in the recipe or an earlier "
+                               "override), so a mapping cannot be merged into it; make it a "
+                               "mapping")
+    with pytest.raises(RecipeError, match=r"^overrides: algorithm\.loss is the string 'x'"):
+        apply_overrides({"algorithm": {"loss": "x"}}, {"algorithm.loss.name": "vanilla"})
+    off = apply_overrides({"algorithm": {"m2po": None}}, {"algorithm": {"m2po": {"threshold": 1}}})
+    assert off == {"algorithm": {"m2po": {"threshold": 1}}}
