@@ -165,6 +165,12 @@ def _parse_task_arg(item: str) -> tuple[str, int | float | str]:
     return key, raw
 
 
+def _require_state_dir() -> None:
+    from ui.campaign_cli import require_state_dir
+
+    require_state_dir()
+
+
 def _check_writable(out: Path) -> None:
     """Fail fast (before training) if ``out`` cannot be created or written."""
     import tempfile
@@ -203,6 +209,7 @@ def warmstart(
     """Supervised warm start so RL starts with reward signal: train, evaluate per difficulty,
     write an HF checkpoint. Cached by config hash under $ASYNCRL_HOME/cache/warmstart."""
     _check_writable(out)
+    _require_state_dir()  # the warm-start cache lives there
     task_args = tuple(sorted(dict(_parse_task_arg(a) for a in task_arg).items()))
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -366,17 +373,19 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
 
     import yaml
 
+    from training.yamlfile import StrictSafeLoader, short_repr
+
     overrides: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         parts = [p.strip() for p in key.split(".")]
         if not sep or not all(parts):
-            _fail(f"--set {item!r} must look like KEY=VALUE (e.g. optim.lr=1e-4, "
+            _fail(f"--set {short_repr(item)} must look like KEY=VALUE (e.g. optim.lr=1e-4, "
                   "async.mode=fully_async)")
-        try:
-            value = yaml.safe_load(raw)
+        try:  # the recipe file's rules: no aliases, tags, dates, yes/no or 5000-digit ints
+            value = yaml.load(raw, Loader=StrictSafeLoader)
         except yaml.YAMLError as e:
-            _fail(f"--set {item!r}: the value is not valid YAML "
+            _fail(f"--set {short_repr(item)}: the value is not valid YAML "
                   f"({getattr(e, 'problem', None) or 'syntax error'}); quote or fix it")
         if isinstance(value, str) and re.fullmatch(_SCI_FLOAT, value.strip()):
             value = float(value)
@@ -430,6 +439,7 @@ def train(
         recipe = load_recipe(recipe_path, overrides)
     except RecipeError as e:
         _fail(str(e))
+    _require_state_dir()  # warm-start cache and engine logs live there, whatever --out says
     if resume is not None:
         if out is not None and out.resolve() != resume.resolve():
             _fail("--out and --resume disagree: a resumed run continues in its own directory; "
