@@ -134,6 +134,9 @@ def engine_serve(
     seed: int = typer.Option(0, help="Engine seed (logit noise, unseeded requests)."),
     max_batch: int = typer.Option(64, help="Most sequences decoded together."),
     threads: int = typer.Option(1, help="torch threads of the server process."),
+    weight_version: str | None = typer.Option(
+        None, "--weight-version", help="Version label of the served weights, as SGLang's "
+        "--weight-version (default: the checkpoint's own version, else \"default\")."),
 ) -> None:
     """Serve a checkpoint over SGLang's HTTP API (/generate, /update_weights_from_disk, …) with
     continuous batching on CPU."""
@@ -145,7 +148,7 @@ def engine_serve(
     try:  # "serving … on …" is printed once listening; bind failures are one-line errors
         serve(ServerConfig(checkpoint=str(checkpoint), host=host, port=port, dtype=dtype,
                            logit_noise=logit_noise, seed=seed, max_batch=max_batch,
-                           threads=threads))
+                           threads=threads, weight_version=weight_version))
     except (CheckpointError, ServerStartError, ValueError) as e:
         _fail(str(e))
 
