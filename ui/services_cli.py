@@ -58,9 +58,9 @@ def _save_record(data: dict[str, dict[str, Any]]) -> None:
     if not data:
         path.unlink(missing_ok=True)
         return
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    from training.fileio import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")  # the PIDs `down` stops
 
 
 def _proc_stat(pid: int) -> list[str] | None:

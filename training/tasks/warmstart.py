@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 import uuid
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 
 from training.engines.hf_io import check_hf_dir, load_hf_dir, read_meta, save_hf_dir
 from training.engines.model import CausalLM, ModelConfig
+from training.fileio import replace_dir
 from training.paths import cache_dir
 from training.tasks.evaluate import EvalResult, evaluate
 from training.tasks.registry import Task, get_task
@@ -337,19 +337,14 @@ def _check_out(out: Path) -> None:
 
 
 def _copy_dir(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` atomically (assembled next to ``dst``, then renamed into place)."""
+    """Copy ``src`` to ``dst`` atomically (assembled next to ``dst``, then moved into place by
+    :func:`training.fileio.replace_dir`)."""
     if src.resolve() == dst.resolve():
         return
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
     shutil.copytree(src, tmp)
-    if dst.exists():
-        trash = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(dst, trash)
-        os.replace(tmp, dst)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
+    replace_dir(tmp, dst)  # fsynced; a kill between its renames is undone by recover_dir
 
 
 def _run_eval(model: CausalLM, tokenizer: CharTokenizer, task: Task, cfg: WarmStartConfig,
