@@ -51,6 +51,18 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def _stop_serving_and_down(serve: subprocess.Popen | None, env: dict[str, str]) -> None:
+    if serve is not None and serve.poll() is None:
+        os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C: stop serving
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(10)
+    down = _cli(["down"], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     e = {**os.environ, "ASYNCRL_HOME": str(tmp_path / "home"), "RAY_USAGE_STATS_ENABLED": "0"}
@@ -129,15 +141,7 @@ def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str])
         dep = httpx.get(f"{api}/deployments/{fr['deployment_id']}", timeout=30).json()
         assert dep["name"] == "deploytest"
     finally:
-        if serve is not None and serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C: stop serving
-            try:
-                serve.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
-                serve.wait(10)
-        down = _cli(["down"], env)
-        assert down.returncode == 0, down.stdout + down.stderr
+        _stop_serving_and_down(serve, env)
 
 
 def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
@@ -188,12 +192,4 @@ def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
             "only"]
         db.close()
     finally:
-        if serve is not None and serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C: stop serving
-            try:
-                serve.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(serve.pid, signal.SIGKILL)
-                serve.wait(10)
-        down = _cli(["down"], env)
-        assert down.returncode == 0, down.stdout + down.stderr
+        _stop_serving_and_down(serve, env)
