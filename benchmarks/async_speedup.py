@@ -77,10 +77,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.steps, args.prompts = 4, 4
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from training.runtime.ray_setup import init_ray
+
+    init_ray(num_cpus=2)
     out = args.out or Path(tempfile.mkdtemp(prefix="asyncrl-speedup-"))
     rows = {}
     try:

@@ -37,7 +37,6 @@ import bisect
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -220,23 +219,16 @@ class Runtime:
 
     # --- setup --------------------------------------------------------------------------------
     def _ray(self) -> Any:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        """Ray, started (loopback-only, reaped with this process) or joined on first use; a
+        cluster by --ray-address or $RAY_ADDRESS (:mod:`training.runtime.ray_setup`)."""
+        from training.runtime.ray_setup import RayStartError, init_ray
+
+        try:
+            self._started_ray = init_ray(self.ray_address) or self._started_ray
+        except RayStartError as e:
+            raise RunError(str(e)) from None
         import ray
 
-        if not ray.is_initialized():
-            # RAY_ADDRESS (e.g. set by a Prefect work pool's job variables) joins a cluster like
-            # --ray-address; a local Ray cannot be started with it set (ray.init refuses num_cpus)
-            address = self.ray_address or os.environ.get("RAY_ADDRESS") or None
-            try:
-                if address:
-                    ray.init(address=address, log_to_driver=False)
-                else:
-                    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                             log_to_driver=False, logging_level=logging.ERROR)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                where = address or "a local Ray instance"
-                raise RunError(f"cannot start or join {where}: {e}; check --ray-address") from None
-            self._started_ray = True
         return ray
 
     def _start_servers(self, checkpoint: Path) -> list[str]:
@@ -856,6 +848,8 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
     rt = Runtime(recipe, out=run_dir, steps=steps, resume=resume is not None,
                  ray_address=ray_address, sinks=sinks, progress=progress,
                  checkpoint_every=checkpoint_every)
+    check_train_backend(recipe)  # refused here, before the lock creates the run directory
+    check_rollout_backend(recipe)
     try:  # one writer per run directory (two terminals resuming it would interleave its files)
         lock = RunDirLock(run_dir).acquire()
     except OwnedError as e:

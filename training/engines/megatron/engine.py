@@ -20,7 +20,6 @@ checkpoint format, :mod:`training.engines.megatron.convert` for the weight layou
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,15 +123,15 @@ class _RayRanks:
     """One Ray actor per rank inside a placement group."""
 
     def __init__(self, settings: MegatronSettings, seed: int) -> None:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        from training.runtime.ray_setup import init_ray
+
+        init_ray()  # the run's Ray; else a local loopback-only one, or $RAY_ADDRESS's cluster
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from training.engines.megatron.rank import MegatronRank
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
         self._ray = ray
         n = settings.world_size
         gpus = float(ray.cluster_resources().get("GPU", 0.0))
