@@ -98,10 +98,12 @@ def preflight(ray_address: str | None = None) -> str | None:
     if ray_address:  # the driver may sit on a CPU head node: count the cluster's GPUs
         import ray
 
+        from training.runtime.ray_setup import RayStartError, init_ray
+
         try:
-            ray.init(address=ray_address, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            return f"cannot join the Ray cluster at {ray_address}: {e}"
+            init_ray(ray_address)
+        except RayStartError as e:
+            return str(e)
         gpus = ray.cluster_resources().get("GPU", 0.0)
         if gpus < 2:
             return (f"the Ray cluster at {ray_address} has {gpus:g} GPUs; needs 2 (one SGLang "

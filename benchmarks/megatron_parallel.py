@@ -92,7 +92,9 @@ def main() -> None:
     from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngine
 
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from training.runtime.ray_setup import init_ray
+
+    init_ray(num_cpus=2)  # loopback-only, reaped with this process
     layouts = {
         "dense": [("world 1", {}), ("TP=2", {"tensor_parallel": 2}),
                   ("DP=2", {"data_parallel": 2}), ("PP=2", {"pipeline_parallel": 2})],

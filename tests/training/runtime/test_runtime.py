@@ -34,7 +34,9 @@ def ray_session(tmp_path_factory):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from training.runtime.ray_setup import init_ray
+
+    init_ray(num_cpus=2)  # loopback-only, reaped with this process
     yield ray
     ray.shutdown()
     if old is None:

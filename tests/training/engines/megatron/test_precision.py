@@ -185,7 +185,9 @@ def test_bf16_pipeline_parallel_on_two_ray_ranks(mg):
 
     started = not ray.is_initialized()
     if started:  # two CPUs = two rank bundles (as test_ray.py)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from training.runtime.ray_setup import init_ray
+
+        init_ray(num_cpus=2)  # loopback-only, reaped with this process
     try:
         d = mg.hf_dir(tie=True)
         emb = EmbeddedTrainEngine.from_pretrained(d, optim=mg.OPTIM)
