@@ -4,8 +4,8 @@ in batches, checkpoints registered as model versions with an alias per stage.
 Where the data lives (DESIGN.md "Services"): by default a SQLite store at
 ``$ASYNCRL_HOME/mlflow/mlflow.db`` and artifacts under ``$ASYNCRL_HOME/mlflow/artifacts``;
 ``MLFLOW_TRACKING_URI`` points everything at a team server instead (its own artifact store is used
-then), or at a database store directly, e.g. PostgreSQL (``postgresql://user:pass@host/db``:
-SQLAlchemy 2.1 picks the psycopg 3 driver for it, the same as ``postgresql+psycopg://``), whose
+then), or at a database store directly, e.g. PostgreSQL (``postgresql://user:pass@host/db``,
+read as ``postgresql+psycopg://``: psycopg 3, see ``registry.db.with_psycopg3``), whose
 artifacts stay under ``$ASYNCRL_HOME/mlflow/artifacts``. MLflow's file store is in maintenance
 mode in 3.x and refuses new use, so the local default is SQLite.
 
@@ -271,8 +271,10 @@ class Tracker:
                 _probe(self.tracking_uri)
             from mlflow import MlflowClient
 
-            self.client = MlflowClient(tracking_uri=self.tracking_uri,
-                                       registry_uri=self.tracking_uri)
+            from registry.db import with_psycopg3
+
+            store = with_psycopg3(self.tracking_uri)  # a bare postgresql:// means psycopg 3
+            self.client = MlflowClient(tracking_uri=store, registry_uri=store)
         except Exception as err:  # a broken URI turns tracking off, never the campaign
             self.error = f"{type(err).__name__}: {err}"
             log.warning("MLflow tracking at %s is unavailable (%s); the campaign runs without "

@@ -91,6 +91,14 @@ def default_url() -> str:
     return f"sqlite:///{state_dir() / DEFAULT_FILE}"
 
 
+def with_psycopg3(url: str) -> str:
+    """``url`` with a bare ``postgresql://`` scheme naming psycopg 3 (``postgresql+psycopg://``):
+    SQLAlchemy 2.0 reads the bare form as psycopg2, which asyncrl does not install (its
+    ``postgres`` extra is psycopg 3). Every other URL is returned as it is."""
+    return "postgresql+psycopg://" + url[len("postgresql://"):] \
+        if url.startswith("postgresql://") else url
+
+
 def alembic_config(connection=None, url: str | None = None):
     """An Alembic ``Config`` for the registry's migrations, built in code (no alembic.ini), so it
     works from an installed wheel. Pass an open ``connection`` (preferred: it carries the SQLite
@@ -335,7 +343,7 @@ class RegistryDB:
     unless ``upgrade=False``. Thread-safe: every call uses its own session."""
 
     def __init__(self, url: str | None = None, *, upgrade: bool = True) -> None:
-        raw = url if url is not None else default_url()
+        raw = with_psycopg3(url if url is not None else default_url())
         try:
             parsed = make_url(raw)
         except ArgumentError:

@@ -181,12 +181,13 @@ def _mlflow_store(uri: str | None = None) -> str:
     as PostgreSQL), but a server URL there (what ``up`` tells users to set) is not a store, so
     the local SQLite default is served then."""
     from flows.tracking import default_tracking_uri
+    from registry.db import with_psycopg3  # a bare postgresql:// means psycopg 3
 
     if uri:
-        return uri
+        return with_psycopg3(uri)
     saved = os.environ.get("MLFLOW_TRACKING_URI", "")
     if not saved.startswith(("http://", "https://")):
-        return default_tracking_uri()
+        return with_psycopg3(default_tracking_uri())
     del os.environ["MLFLOW_TRACKING_URI"]
     try:
         return default_tracking_uri()

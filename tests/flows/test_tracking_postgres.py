@@ -1,7 +1,8 @@
 """flows.tracking and `asyncrl up` on a PostgreSQL backend store: the session's real PostgreSQL
 server (tests/conftest.py) and a fresh, empty database per test, so MLflow's own migrations run
-on it. The Tracker gets the bare ``postgresql://`` form users write (psycopg2 is not installed:
-SQLAlchemy 2.1 reads that form as psycopg 3), `asyncrl up` the ``postgresql+psycopg://`` one."""
+on it. The Tracker gets the bare ``postgresql://`` form users write (psycopg2 is not installed,
+and SQLAlchemy 2.0 would read that form as psycopg2: asyncrl names psycopg 3 for it), `asyncrl
+up` the ``postgresql+psycopg://`` one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
 from flows.tracking import TAG_LOGGED_UNTIL, MLflowSink, Tracker, redact_uri
+from registry.db import with_psycopg3
 from training.recipe import Recipe, recipe_hash
 from ui import services_cli
 
@@ -33,12 +35,13 @@ def pg(postgres_db: str) -> str:
 
 
 def _client(uri: str) -> MlflowClient:
+    uri = with_psycopg3(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def _sql(uri: str, query: str, **params) -> list[tuple]:
     """Rows straight from the PostgreSQL database (not through MLflow)."""
-    engine = create_engine(uri)
+    engine = create_engine(with_psycopg3(uri))
     try:
         with engine.connect() as conn:
             return [tuple(r) for r in conn.execute(text(query), params)]
@@ -51,9 +54,14 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, flo
 
 
 def test_bare_postgresql_uri_uses_psycopg3_and_passwords_are_redacted() -> None:
-    # why a bare postgresql:// URI needs no rewriting: SQLAlchemy 2.1's default PostgreSQL driver
-    # is psycopg 3 (2.0 picked psycopg2, which is not installed); no connection is made here
-    assert create_engine("postgresql://u@db.example/mlflow").dialect.driver == "psycopg"
+    # a bare postgresql:// URI is read as psycopg 3 (SQLAlchemy 2.0's default is psycopg2, not
+    # installed); other URLs are left alone; no connection is made here
+    assert with_psycopg3("postgresql://u@db.example/mlflow") == \
+        "postgresql+psycopg://u@db.example/mlflow"
+    assert create_engine(with_psycopg3("postgresql://u@db.example/mlflow")).dialect.driver == \
+        "psycopg"
+    for other in ("postgresql+psycopg://u@h/db", "sqlite:///x.db", "http://127.0.0.1:5000"):
+        assert with_psycopg3(other) == other
     assert redact_uri("postgresql+psycopg://u:s3cret@h:5432/db") == \
         "postgresql+psycopg://u:***@h:5432/db"
     assert redact_uri("postgresql://u@h/db") == "postgresql://u@h/db"
@@ -62,18 +70,19 @@ def test_bare_postgresql_uri_uses_psycopg3_and_passwords_are_redacted() -> None:
 def test_up_option_and_env_choose_the_served_store(home: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     url = "postgresql://asyncrl:s3cret@db.example:5432/mlflow"
+    served = "postgresql+psycopg://asyncrl:s3cret@db.example:5432/mlflow"
     spec = services_cli.service_spec("mlflow", 5999, store=url)
-    assert spec["env"]["MLFLOW_BACKEND_STORE_URI"] == url
-    assert spec["store"] == "postgresql://asyncrl:***@db.example:5432/mlflow"
+    assert spec["env"]["MLFLOW_BACKEND_STORE_URI"] == served
+    assert spec["store"] == "postgresql+psycopg://asyncrl:***@db.example:5432/mlflow"
     assert not any("s3cret" in part for part in spec["command"])  # not visible in `ps`
     artifacts = spec["command"][spec["command"].index("--default-artifact-root") + 1]
     assert artifacts == (home / "mlflow" / "artifacts").as_uri()
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-    assert services_cli._mlflow_store() == url
+    assert services_cli._mlflow_store() == served
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert services_cli._mlflow_store() == f"sqlite:///{home}/mlflow/mlflow.db"
-    assert services_cli._mlflow_store(url) == url
+    assert services_cli._mlflow_store(url) == served
 
 
 def test_tracker_on_a_fresh_postgres_database(home: Path, pg: str, tmp_path: Path,

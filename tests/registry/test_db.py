@@ -476,3 +476,15 @@ def test_registry_imports_no_heavy_packages():
             "print([m for m in ('torch', 'prefect', 'mlflow', 'ray') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_bare_postgresql_url_opens_with_psycopg3(postgres_db):
+    """`ASYNCRL_REGISTRY_URL=postgresql://…` as users write it: psycopg 3 (SQLAlchemy 2.0 would
+    pick psycopg2, which is not installed)."""
+    bare = "postgresql://" + postgres_db.removeprefix("postgresql+psycopg://")
+    db = RegistryDB(bare)
+    try:
+        assert db.url.startswith("postgresql+psycopg://")
+        assert db.schema_revision() == head_revision()
+    finally:
+        db.close()
