@@ -51,7 +51,7 @@ def test_push_weights_delivers_hf_state_dict_from_rank_0(mg, tmp_path):
             assert report["version"] == 7 and report["tensors"] == len(hf)
             assert report["bytes"] == sum(t.numel() * 2 for t in hf.values())  # bf16
             info = httpx.get(pushed.url + "/model_info").json()
-            assert info["weight_version"] == 7
+            assert info["weight_version"] == "7"  # SGLang reports version labels as strings
             assert info["model_path"] == "(broadcast over asyncrl-weights-1)"
             after, want = _greedy(pushed.url), _greedy(from_disk.url)
             assert after["output_ids"] == want["output_ids"] != before["output_ids"]
