@@ -1,8 +1,9 @@
 """`asyncrl validate`: every shipped recipe and campaign is accepted, and a corpus of malformed
 ones — mutations of every shipped file plus hand-written hostile cases — is each rejected with exit
 code 1, at most 3 lines naming the field or the line, no traceback, no raw control character,
-within 2 s (in-process) or under a 2 GiB address-space limit and a timeout (real subprocesses).
-The command writes nothing and imports no service library."""
+within a 15 s hang guard (in-process; a case takes under 1 s) or under a 2 GiB address-space
+limit and a timeout (real subprocesses). The command writes nothing and imports no service
+library."""
 
 from __future__ import annotations
 
@@ -321,7 +322,8 @@ def _check_rejected(path: Path, needles: tuple[str, ...], *args: str) -> str:
     assert "Traceback" not in out and "internal error" not in out, out
     assert lines[0].startswith(f"error: {path}"), out
     assert any(n in out for n in needles), (needles, out)
-    assert elapsed < 2.0, f"{elapsed:.2f} s"
+    # a hang guard, not a speed target (a case takes < 1 s; a busy 2-core machine doubles it)
+    assert elapsed < 15.0, f"{elapsed:.2f} s"
     return out
 
 
