@@ -341,7 +341,7 @@ def test_plain_copy_stops_an_expanding_bomb():
     started = time.perf_counter()
     with pytest.raises(PlainDataError, match=f"holds more than {MAX_NODES:,} values"):
         plain_copy({"x": level})
-    assert time.perf_counter() - started < 2.0
+    assert time.perf_counter() - started < 15.0  # a hang guard: expanded, it would never end
     shared = [1, 2]
     assert plain_copy({"a": shared, "b": shared}) == {"a": [1, 2], "b": [1, 2]}  # no cycle
 
