@@ -6,7 +6,8 @@ before it touches anything (:meth:`RegistryDB.acquire_campaign`, atomic on SQLit
 PostgreSQL), a second process is refused with one line naming the owner, and the lease dies with
 its holder: on this host a dead PID (or a PID reused by another process: the start time differs)
 frees it at once; from another host, a heartbeat older than :data:`HEARTBEAT_TTL_S` does. The
-owner refreshes the heartbeat every :data:`HEARTBEAT_EVERY_S` seconds from a daemon thread.
+owner refreshes the heartbeat every :data:`HEARTBEAT_EVERY_S` seconds from a daemon thread,
+and a beat that finds the campaign taken over stops the process at once (``_lost``).
 
 A campaign whose registry status is ``running`` but whose owner is gone has crashed:
 :func:`effective_status` says so (``campaign status`` / ``list`` show it with the resume
@@ -69,12 +70,26 @@ class CampaignLease:
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY_S):
             try:
-                if not self.db.heartbeat_campaign(self.campaign_id, self.identity.token):
-                    log.error("lost the ownership of campaign %s (another process took it "
-                              "over); stop this process", self.campaign_id)
-                    return
+                owned = self.db.heartbeat_campaign(self.campaign_id, self.identity.token)
             except Exception as e:  # a registry hiccup: the next beat tries again
                 log.warning("campaign %s heartbeat failed: %s", self.campaign_id, e)
+                continue
+            if not owned and not self._stop.is_set():
+                self._lost()
+                return
+
+    def _lost(self) -> None:
+        """Another process took the campaign over (this one's heartbeat was older than the TTL,
+        e.g. a suspended machine on a shared registry). Two owners would duplicate its writes,
+        so this process stops at once, as a ``kill -9`` would — no status or MLflow write that
+        could overwrite the new owner's — and its runs resume under the new owner."""
+        import os
+        import signal
+
+        log.error("lost the ownership of campaign %s to another process; stopping this one",
+                  self.campaign_id)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def __exit__(self, *exc: object) -> None:
         if self._outer is not None:

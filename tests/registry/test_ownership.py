@@ -134,3 +134,27 @@ def test_racing_processes_get_exactly_one_owner(db_url):
     for p in procs:
         p.join(60)
     assert sorted(o for o, _ in outcomes) == ["refused", "refused", "refused", "won"]
+
+
+def test_an_owner_that_lost_the_campaign_stops_at_once(db_url):
+    """A heartbeat that finds another owner (it was taken over after a stale heartbeat) kills its
+    own process, as a crash would: no second writer."""
+    db = _db(db_url)
+    code = ("import time; import registry.ownership as o; from registry.db import RegistryDB; "
+            f"o.HEARTBEAT_EVERY_S = 0.2; db = RegistryDB({db_url!r}); "
+            "lease = o.CampaignLease(db, 'c1').__enter__(); print('owned', flush=True); "
+            "time.sleep(60); print('still running', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "owned"
+        with db._write() as s:  # another host takes it over
+            s.execute(update(CampaignOwner).values(token="new-owner", host="elsewhere.invalid"))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, (out, err)
+    assert "still running" not in out and "lost the ownership of campaign c1" in err
+    assert db.campaign_owner("c1", HEARTBEAT_TTL_S)["host"] == "elsewhere.invalid"
+    db.close()
