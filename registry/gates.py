@@ -10,20 +10,29 @@ The gates turn the diagnostics of the seeds into pass/fail rules:
 ===================================  ==========================================================
 gate                                 source
 ===================================  ==========================================================
-``logprob_diff_flat``                seed 000 "Diagnostic signals": train–rollout |Δ log p| must
-                                     stay flat (healthy sync ≈ 0.025, a blown-up run reached 0.10)
-``entropy_no_blowup``                seed 000: a sudden upward entropy spike preceded every collapse
+``logprob_diff_flat``                seed 000 "Diagnostic signals": the train–rollout |Δ log p|
+                                     (π_current vs μ, staleness included) must stay flat —
+                                     judged against the campaign's sync baseline when given
+``entropy_no_blowup``                seed 000: a sudden upward entropy spike, or a sustained
+                                     rise, preceded every collapse
 ``reward_not_collapsed``             seed 001 open problem 2: collapse = a ≥ 30 % reward drop that
                                      does not recover
 ``eval_tracks_reward``               seed 000: training reward up while eval down = simplicity bias
 ``is_health``                        seed 001 decision tree (ESS < 0.5, χ²_token > 1.0 → cause D)
-                                     and its RS → IS → systems escalation (mask > 25 % → systems)
+                                     and its RS → IS → systems escalation (mask > 25 % → systems),
+                                     per IS source (combined, engine, staleness)
+``is_weight_mean_band``              seed 000 Fix 2: engine IS weight-mean dips to ≈ 0.992
+``pg_clipfrac``                      seed 001 cause E: pg_clipfrac > 0.2 and rising
+``repetition_rate``                  seed 000's failure cascade: entropy blow-up → repetition
+                                     rate increase → test collapse
+``zero_variance_groups``             seed 000: ~60 of 128 groups all-zero = wasted compute
 ``no_length_surge``                  seed 001 cause F: response length +20 % within 100 steps
 ``rollout_logprob_not_decreasing``   seed 000: a falling rollout log-prob precedes entropy blow-up
 ``grad_norm_no_spike``               seed 001 open problem 2: grad-norm spike > 10× the rolling
                                      median followed by reward degradation
 ``staleness_within_bound``           the async mode's own bound (0 sync, 1 one-step,
-                                     max_off_policy_steps fully async)
+                                     max_off_policy_steps fully async); with drops configured,
+                                     the fraction of samples dropped as too stale
 ===================================  ==========================================================
 
 Conventions shared by every gate:
@@ -38,8 +47,13 @@ Conventions shared by every gate:
 * Too little data never raises: the gate passes with evidence "not enough steps (N) …" unless
   its ``require_data`` parameter is true, in which case it fails with the same evidence.
 * ``reference`` is the :func:`summarize` output of the reference stage's promoted run (the
-  caller resolves a gate spec's ``relative_to``); ``context`` carries run facts the metrics do not
-  (``max_staleness``).
+  caller resolves a gate spec's ``relative_to``) — in a campaign, the sync baseline of the same
+  campaign. Gates that take one judge relative to it (the seeds' absolute numbers come from their
+  own stack: seed 000's Megatron + SGLang MoE at 16k–64k context, not ours); their absolute
+  thresholds are the fallback when no reference is given. ``context`` carries run facts the
+  metrics do not (``max_staleness``, ``max_off_policy_steps``).
+* :func:`unmet_requirement` says, before training, when a recipe cannot produce what a gate
+  needs (a campaign file is refused at load for it).
 
 How this departs from the seeds: seed 001 waits 100 updates before calling a drop a collapse; a
 stage cannot wait past its last step, so ``reward_not_collapsed`` judges the final value. The
@@ -56,16 +70,23 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.algorithms.decision_tree import (
+    ENGINE_DIFF,
     FIXES,
     METRIC_ALIASES,
+    TRAIN_ROLLOUT_DIFF,
+    UNSEPARATED,
     Diagnosis,
     Thresholds,
     diagnose,
+    prescription,
 )
 from training.algorithms.registry import Registry
+
+if TYPE_CHECKING:
+    from training.recipe import Recipe
 
 __all__ = [
     "GATES",
@@ -74,11 +95,15 @@ __all__ = [
     "GateResult",
     "GradNormNoSpikeParams",
     "IsHealthParams",
+    "IsWeightMeanBandParams",
     "LogprobDiffFlatParams",
     "NoLengthSurgeParams",
+    "PgClipfracParams",
+    "RepetitionRateParams",
     "RewardNotCollapsedParams",
     "RolloutLogprobNotDecreasingParams",
     "StalenessWithinBoundParams",
+    "ZeroVarianceGroupsParams",
     "check_params",
     "diagnosis_for",
     "evaluate_gate",
@@ -86,9 +111,10 @@ __all__ = [
     "gate_names",
     "gate_params",
     "summarize",
+    "unmet_requirement",
 ]
 
-LOGPROB_DIFF = "mismatch/logprob_abs_diff/mean"
+LOGPROB_DIFF = TRAIN_ROLLOUT_DIFF  # "mismatch/train_rollout/logprob_abs_diff/mean"
 ENTROPY = "policy/entropy/mean"
 REWARD = "rollout/reward_mean"
 EVAL_REWARD = "eval/reward_mean"
@@ -98,6 +124,12 @@ ROLLOUT_LOGPROB = "rollout/logprob_mean"
 GRAD_NORM = "policy/grad_norm"
 STALENESS_MAX = "async/staleness/max"
 STALENESS_MEAN = "async/staleness/mean"
+DROPPED_FRAC = "async/dropped_stale_frac"
+PG_CLIPFRAC = "policy/pg_clipfrac"
+REPETITION = "rollout/repetition_rate"
+ZERO_VARIANCE = "rollout/zero_variance_group_frac"
+IS_SOURCES = ("combined", "engine", "staleness")
+WEIGHT_MEAN_SOURCES = ("engine", "staleness")
 EVAL_ONLY = "step/eval_only"
 _NOT_METRICS = frozenset({"step", "time", "_nonfinite", EVAL_ONLY})
 
@@ -161,19 +193,28 @@ _REQUIRE_DATA_DOC = ("require_data: fail (instead of pass) when the run has too 
 
 @dataclass(frozen=True)
 class LogprobDiffFlatParams:
-    """``logprob_diff_flat``: mean |Δ log p| between trainer and rollout engine must not grow.
+    """``logprob_diff_flat``: seed 000's headline metric, the train–rollout |Δ log p|
+    (``mismatch/train_rollout/logprob_abs_diff/mean``: the trainer at the weights it trains from
+    vs the rollout engine, so staleness *and* engine mismatch), must not grow.
 
-    Fails when the run's least-squares slope exceeds ``max_slope`` *and* the fitted rise over the
-    run (slope × steps spanned) exceeds ``min_rise``, or when the level (mean of the last ``tail``
-    fraction of points) exceeds ``max_ratio`` × the reference's level (reference given) or
-    ``max_level`` (no reference).
+    With a reference (the campaign's sync baseline: same engines, no staleness) the judgement is
+    relative, the preferred form: fails when the level (mean of the last ``tail`` fraction of
+    points) exceeds ``max_ratio`` × the reference's level, or when the run's fitted rise (least-
+    squares slope × steps spanned) exceeds the reference's fitted rise over the same span by more
+    than ``max_rise_ratio`` × the reference's level. Without a reference, the absolute fallback:
+    fails when the slope exceeds ``max_slope`` *and* the fitted rise exceeds ``min_rise``, or the
+    level exceeds ``max_level``.
 
-    max_slope: 0.0005 per step. Seed 000's healthy sync baseline sat flat at ≈ 0.025 and its
-        uncorrected one-step-async run blew up to 0.10; 0.0005/step doubles the healthy level
-        within 50 steps.
-    min_rise: 0.01 (40 % of the healthy 0.025): on a 10-step noisy run the slope alone is noise.
-    max_level: 0.05, twice seed 000's healthy 0.025 and half its blow-up value 0.10.
-    max_ratio: 1.5 × the reference stage's level.
+    max_ratio: 1.5 × the reference's level. Seed 000's uncorrected one-step run ended 4× its sync
+        baseline (0.025 → 0.10); 1.5× fails it long before.
+    max_rise_ratio: 0.5 — a run may rise by at most half the reference's level more than the
+        reference rose itself (seed 000's sync baseline "stays flat"; its failing runs rose by
+        3× that level).
+    max_slope: 0.0005 per step, min_rise: 0.01, max_level: 0.05 — absolute fallbacks from seed
+        000's stack (Megatron vs SGLang, MoE, 16k context): healthy sync ≈ 0.025, blow-up 0.10;
+        0.05 is twice the healthy level, 0.0005/step doubles it within 50 steps, 0.01 is 40 % of
+        it. Our embedded engines sit near 0.002 (bf16 KV cache) – 0.006 (fp8), FACTS.md, where
+        these fire only on a gross blow-up: give the gate a ``relative_to`` sync baseline.
     tail: 0.25, the fraction of points (≥ 1) whose mean is the level.
     """
 
@@ -181,22 +222,33 @@ class LogprobDiffFlatParams:
     min_rise: float = _p(0.01, lo=0.0)
     max_level: float = _p(0.05, lo=0.0, lo_open=True)
     max_ratio: float = _p(1.5, lo=0.0, lo_open=True)
+    max_rise_ratio: float = _p(0.5, lo=0.0)
     tail: float = _p(0.25, lo=0.0, hi=1.0, lo_open=True)
     require_data: bool = _p(False)
 
 
 @dataclass(frozen=True)
 class EntropyNoBlowupParams:
-    """``entropy_no_blowup``: no step whose ``policy/entropy/mean`` exceeds ``spike_factor`` × the
-    median of the previous ``window`` points (seed 000: "a sudden upward spike", as opposed to the
-    normal mild drift either way).
+    """``entropy_no_blowup``: ``policy/entropy/mean`` must neither spike nor rise for good
+    (seed 000: "a sudden upward spike" preceded every collapse, while mild drift either way is
+    normal; its 64k failure was a blow-up that stayed up).
+
+    Fails on a spike — a step above ``spike_factor`` × the median of the previous ``window``
+    points — or on a sustained rise — the mean of the last ``tail`` fraction of points above
+    ``sustained_factor`` × the mean of the first ``tail`` fraction, or, with a reference, above
+    ``sustained_factor`` × the reference's level.
 
     spike_factor: 2.0 — a doubling within a few steps is a spike, not drift.
     window: 5 points; a step is checked once 5 earlier points exist.
+    sustained_factor: 1.5 — "mild" drift stays well inside ±50 %; a last quarter 1.5× the first
+        is a blow-up that did not come back down (ours: the seed gives no number).
+    tail: 0.25 — first and last quarter.
     """
 
     spike_factor: float = _p(2.0, lo=1.0, lo_open=True)
     window: int = _p(5, lo=1)
+    sustained_factor: float = _p(1.5, lo=1.0, lo_open=True)
+    tail: float = _p(0.25, lo=0.0, hi=0.5, lo_open=True)
     require_data: bool = _p(False)
 
 
@@ -236,12 +288,16 @@ class EvalTracksRewardParams:
 
 @dataclass(frozen=True)
 class IsHealthParams:
-    """``is_health``: the importance-sampling correction still works (seed 001 decision tree).
+    """``is_health``: the importance-sampling correction still works (seed 001 decision tree),
+    judged per source — ``is/combined/*`` (the weight actually applied), ``is/engine/*`` (π_old/μ)
+    and ``is/staleness/*`` (π_current/π_old), each logged whether or not it corrects anything —
+    so the source that fails is named (seed 000: "diagnose which source was causing trouble
+    without guessing").
 
-    Means over the last ``tail`` fraction of points: ESS (``is/combined/ess``, else
-    ``is/engine/ess``, else ``rollout_corr/rollout_is_eff_sample_size``) ≥ ``min_ess``; mask
-    fraction (``is/combined/mask_frac``, ``is/engine/mask_frac``, verl's RS masked fraction)
-    ≤ ``max_mask_frac``; ``mismatch/chi2_token`` ≤ ``max_chi2_token``.
+    Means over the last ``tail`` fraction of points, for every source logged: ESS ≥ ``min_ess``,
+    mask fraction ≤ ``max_mask_frac``; and χ²_token (``mismatch/train_rollout/chi2_token``, the
+    whole drift a correction must cover, else ``mismatch/engine/chi2_token``) ≤
+    ``max_chi2_token``. A verl export (``rollout_corr/*``) is read when none of ours is logged.
 
     min_ess: 0.5 — ``Thresholds.ess_min`` (seed 001: "ess < 0.5 → Cause D").
     max_mask_frac: 0.25 — ``Thresholds.rs_mask_high`` (seed 001: "RS would discard > 25 % of the
@@ -253,6 +309,88 @@ class IsHealthParams:
     min_ess: float = _p(_DEFAULT_THRESHOLDS.ess_min, lo=0.0, hi=1.0)
     max_mask_frac: float = _p(_DEFAULT_THRESHOLDS.rs_mask_high, lo=0.0, hi=1.0)
     max_chi2_token: float = _p(_DEFAULT_THRESHOLDS.chi2_token_blowup, lo=0.0)
+    tail: float = _p(0.25, lo=0.0, hi=1.0, lo_open=True)
+    require_data: bool = _p(False)
+
+
+@dataclass(frozen=True)
+class IsWeightMeanBandParams:
+    """``is_weight_mean_band``: seed 000's Fix-2 trigger. The per-step mean of each source's IS
+    weight (``is/engine/weight_mean``: π_old/μ; ``is/staleness/weight_mean``: π_current/π_old)
+    "should sit at 1.0"; at 64k the engine one showed frequent sharp downward spikes to ≈ 0.992,
+    tokens the trainer finds far less likely than the engine did, which led to two-sided IcePop
+    bounds. Fails when either source leaves [1 − ``delta``, 1 + ``delta``] on more than
+    ``max_steps`` steps (dips and spikes both count). The metrics are measured on every recipe,
+    corrected or not; under ``old_logprob`` bypass or loglinear π_old is μ, so the engine source
+    is identically 1 (:func:`unmet_requirement` refuses the gate there).
+
+    delta: 0.005 — the seed's dips (0.992, 0.8 % below 1) leave the band with margin, while a
+        mean that "mostly sits at 1.0" stays inside (ours: the seed gives the dip, not a band).
+    max_steps: 1 — one step outside can be one odd batch; the seed acted because the spikes were
+        "frequent enough to matter".
+    """
+
+    delta: float = _p(0.005, lo=0.0, hi=1.0, lo_open=True)
+    max_steps: int = _p(1, lo=0)
+    require_data: bool = _p(False)
+
+
+@dataclass(frozen=True)
+class PgClipfracParams:
+    """``pg_clipfrac``: seed 001 cause E (PPO clip saturation) — ``policy/pg_clipfrac`` above
+    ``max_level`` *and* rising: the mean of the last ``tail`` fraction of points above the mean
+    of the first ``tail`` fraction ("rising clip fraction across epochs signals excessive
+    divergence from the sampling policy").
+
+    max_level: 0.2 — ``Thresholds.pg_clipfrac_max`` (seed 001: "pg_clipfrac > 0.2 and rising").
+    tail: 0.25. (Seed 000 Fix 3: with 1 PPO epoch the clip "effectively never activates", so on
+        such recipes this gate passes at ≈ 0.)
+    """
+
+    max_level: float = _p(_DEFAULT_THRESHOLDS.pg_clipfrac_max, lo=0.0, hi=1.0)
+    tail: float = _p(0.25, lo=0.0, hi=0.5, lo_open=True)
+    require_data: bool = _p(False)
+
+
+@dataclass(frozen=True)
+class RepetitionRateParams:
+    """``repetition_rate``: seed 000's failure cascade "entropy blowup → repetition rate increase
+    → test performance collapse". ``rollout/repetition_rate`` (the fraction of responses with a
+    repeated 4-gram) over the last ``tail`` fraction of points must not exceed the reference's
+    level (reference given) — else the run's own first ``tail`` fraction — by more than
+    ``max_increase``; ``max_level``, when set, is an absolute ceiling as well.
+
+    max_increase: 0.1 — one response in ten more than the baseline repeats itself (ours: the
+        seed names the increase, not its size; a task whose answers repeat n-grams by design,
+        like running totals, has a high but steady level, which the relative form tolerates).
+    max_level: None (no absolute ceiling).
+    tail: 0.25.
+    """
+
+    max_increase: float = _p(0.1, lo=0.0, hi=1.0)
+    max_level: float | None = _p(None, lo=0.0, hi=1.0)
+    tail: float = _p(0.25, lo=0.0, hi=0.5, lo_open=True)
+    require_data: bool = _p(False)
+
+
+@dataclass(frozen=True)
+class ZeroVarianceGroupsParams:
+    """``zero_variance_groups``: seed 000 stage 3 — "roughly 60 out of 128" groups (47 %) had
+    all-zero rewards, so "GRPO produces zero advantage and the prompt contributes nothing to the
+    gradient. That's a lot of wasted rollout compute." ``rollout/zero_variance_group_frac``
+    (groups whose scores are all equal, all-fail or all-pass) over the last ``tail`` fraction of
+    points must stay ≤ ``max_frac``, or, with a reference, ≤ the reference's level +
+    ``max_increase``.
+
+    max_frac: 0.45 — just under the seed's 47 %, which it called a warning sign. The embedded
+        sum-digits task sits at 53–70 % from the start (FACTS.md: 30–47 % of groups have any
+        reward variance), so on it give the gate a ``relative_to`` baseline.
+    max_increase: 0.1 — ten points of the batch more than the baseline wasted (ours).
+    tail: 0.25.
+    """
+
+    max_frac: float = _p(0.45, lo=0.0, hi=1.0)
+    max_increase: float = _p(0.1, lo=0.0, hi=1.0)
     tail: float = _p(0.25, lo=0.0, hi=1.0, lo_open=True)
     require_data: bool = _p(False)
 
@@ -314,14 +452,23 @@ class GradNormNoSpikeParams:
 @dataclass(frozen=True)
 class StalenessWithinBoundParams:
     """``staleness_within_bound``: the largest ``async/staleness/max`` (policy versions between
-    the weights that sampled a token and the weights trained on it) ≤ the bound.
+    the weights that sampled a token and the weights trained on it) ≤ the bound; and, when drops
+    are configured (``async.max_off_policy_steps``, seen as ``context["max_off_policy_steps"]``
+    or the ``async/dropped_stale_frac`` metric the runtime logs then), the cumulative fraction of
+    samples dropped as too stale ≤ ``max_dropped_frac``. With drops configured the bound check
+    alone is tautological — the runtime drops every sample beyond it — so the dropped fraction is
+    what says whether the pipeline keeps up.
 
     max_staleness: None — the bound comes from ``context["max_staleness"]`` (the runtime's: 0
         sync, 1 one-step, ``max_off_policy_steps`` fully async); a number here overrides it.
-        With neither, the gate passes with "no bound configured".
+        With neither, the bound check passes with "no bound configured".
+    max_dropped_frac: 0.25 — seed 001's limit for discarding data: "RS would discard > 25 % of
+        the batch" → fix the system instead (``Thresholds.rs_mask_high``); dropping stale samples
+        discards rollout compute the same way.
     """
 
     max_staleness: float | None = _p(None, lo=0.0)
+    max_dropped_frac: float = _p(_DEFAULT_THRESHOLDS.rs_mask_high, lo=0.0, hi=1.0)
     require_data: bool = _p(False)
 
 
@@ -622,30 +769,51 @@ def _logprob_diff_flat(run: _Run, p: LogprobDiffFlatParams,
     first, level = _mean(head), _mean(tail)
     slope = _slope(pts)
     whole = _span(pts)
-    rise = slope * (whole[1] - whole[0])
-    growing = slope > p.max_slope and rise > p.min_rise
+    span = whole[1] - whole[0]
+    rise = slope * span
+    moved = (f"it went from {_g(first)} (first {_points(len(head))}) to {_g(level)} (last "
+             f"{_points(len(tail))}) over {_steps(whole)}, slope {_g(slope)}/step")
     ref = _ref_value(reference, LOGPROB_DIFF)
     if ref is not None and ref > 0:
+        # Relative judgement: the campaign's own baseline sets "normal" (seed 000: "You can't
+        # pick good clip bounds if you don't know what normal looks like").
+        ref_slope = _ref_value(reference, f"{LOGPROB_DIFF}/slope") or 0.0
+        ref_rise = ref_slope * span
+        excess, rise_limit = rise - ref_rise, p.max_rise_ratio * ref
         limit = p.max_ratio * ref
-        basis = f"{_g(p.max_ratio)} × the reference level {_g(ref)}"
+        growing = excess > rise_limit
+        too_high = level > limit
+        detail = (f"fitted rise {_g(rise)} vs the reference's {_g(ref_rise)} over the same "
+                  f"{span} steps: excess {_g(excess)} {'>' if growing else '≤'} {_g(rise_limit)} "
+                  f"({_g(p.max_rise_ratio)} × the reference level {_g(ref)}); level {_g(level)} "
+                  f"{'>' if too_high else '≤'} {_g(limit)} ({_g(p.max_ratio)} × the reference "
+                  f"level {_g(ref)})")
+        grow_value, grow_limit = excess, rise_limit
     else:
+        growing = slope > p.max_slope and rise > p.min_rise
         limit = p.max_level
-        basis = "max_level" + (" (the reference has no positive level)"
-                               if reference is not None else "")
-    too_high = level > limit
+        too_high = level > limit
+        basis = "absolute max_level, the seed's stack" + (
+            "; the reference has no positive level" if reference is not None else "")
+        detail = (f"{'>' if slope > p.max_slope else '≤'} {_g(p.max_slope)} with fitted rise "
+                  f"{_g(rise)} {'>' if rise > p.min_rise else '≤'} {_g(p.min_rise)}, level "
+                  f"{_g(level)} {'>' if too_high else '≤'} {_g(limit)} ({basis})")
+        grow_value, grow_limit = slope, p.max_slope
     if growing:
-        value, threshold, window, verdict = slope, p.max_slope, whole, "is growing"
+        value, threshold, window, verdict = grow_value, grow_limit, whole, "is growing"
     elif too_high:
         value, threshold, window, verdict = level, limit, _span(tail), "is too high"
     else:
-        value, threshold, window, verdict = slope, p.max_slope, whole, "stayed flat"
-    evidence = (
-        f"mean |Δlogp| {verdict}: it went from {_g(first)} (first {_points(len(head))}) to "
-        f"{_g(level)} (last {_points(len(tail))}) over {_steps(whole)}, slope {_g(slope)}/step "
-        f"{'>' if slope > p.max_slope else '≤'} {_g(p.max_slope)} with fitted rise {_g(rise)} "
-        f"{'>' if rise > p.min_rise else '≤'} {_g(p.min_rise)}, level {_g(level)} "
-        f"{'>' if too_high else '≤'} {_g(limit)} ({basis}).")
+        value, threshold, window, verdict = grow_value, grow_limit, whole, "stayed flat"
+    sep = " " if ref is None or ref <= 0 else "; "
+    evidence = f"train–rollout mean |Δlogp| {verdict}: {moved}{sep}{detail}."
     return _result(name, p, not (growing or too_high), value, threshold, window, evidence)
+
+
+def _quarters(pts: Sequence[Point], frac: float) -> tuple[list[Point], list[Point]]:
+    """The first and the last ``frac`` of the points (≥ 1 each)."""
+    k = len(_tail(pts, frac))
+    return list(pts[:k]), list(pts[-k:])
 
 
 @_gate("entropy_no_blowup", EntropyNoBlowupParams)
@@ -668,20 +836,37 @@ def _entropy_no_blowup(run: _Run, p: EntropyNoBlowupParams,
         if worst is None or ratio > worst[0]:
             worst = (ratio, step, v, med)
     whole = _span(pts)
-    if worst is None:
-        return _result(name, p, True, None, p.spike_factor, whole,
-                       f"{ENTROPY} had a median of 0 before every step over {_steps(whole)}, "
-                       "so no spike ratio could be formed.")
-    ratio, step, v, med = worst
+    head, tail = _quarters(pts, p.tail)
+    level = _mean(tail)
+    ref = _ref_value(reference, ENTROPY)
+    base, base_label = ((ref, "the reference level") if ref is not None and ref > 0
+                        else (_mean(head), f"the first {_points(len(head))}"))
+    sustained_ratio = level / base if base > 0 else None
+    sustained = sustained_ratio is not None and sustained_ratio > p.sustained_factor
+    sustained_text = (
+        f"the last {_points(len(tail))} average {_g(level)} = "
+        f"{sustained_ratio:.2f}× {base_label} {_g(base)} "
+        f"({'>' if sustained else '≤'} {_g(p.sustained_factor)}×)"
+        if sustained_ratio is not None else f"{base_label} is 0, so no sustained ratio")
     if spikes:
+        ratio, step, v, med = worst  # type: ignore[misc]
         evidence = (f"{ENTROPY} spiked at {spikes} step(s); the worst, step {step}, reached "
                     f"{_g(v)} = {ratio:.2f}× the median {_g(med)} of the previous {p.window} "
-                    f"points (> {_g(p.spike_factor)}×).")
-    else:
-        evidence = (f"no entropy spike over {_steps(whole)}: the largest jump was {ratio:.2f}× "
-                    f"the median of the previous {p.window} points (step {step}: {_g(v)} vs "
-                    f"{_g(med)}) ≤ {_g(p.spike_factor)}×.")
-    return _result(name, p, spikes == 0, ratio, p.spike_factor, whole, evidence)
+                    f"points (> {_g(p.spike_factor)}×); {sustained_text}.")
+        return _result(name, p, False, ratio, p.spike_factor, whole, evidence)
+    spike_text = (f"the largest jump was {worst[0]:.2f}× the median of the previous {p.window} "
+                  f"points (step {worst[1]}: {_g(worst[2])} vs {_g(worst[3])}) ≤ "
+                  f"{_g(p.spike_factor)}×" if worst is not None else
+                  f"{ENTROPY} had a median of 0 before every step, so no spike ratio")
+    if sustained:
+        evidence = (f"sustained entropy rise over {_steps(whole)}: {sustained_text}; no one-step "
+                    f"spike: {spike_text}.")
+        return _result(name, p, False, sustained_ratio, p.sustained_factor, _span(tail),
+                       evidence)
+    evidence = f"no entropy spike over {_steps(whole)}: {spike_text}; no sustained rise: " \
+               f"{sustained_text}."
+    return _result(name, p, True, worst[0] if worst is not None else None, p.spike_factor,
+                   whole, evidence)
 
 
 @_gate("reward_not_collapsed", RewardNotCollapsedParams)
@@ -799,40 +984,161 @@ def _tail_means(run: _Run, keys: Sequence[str], frac: float) -> dict[str, float]
     return out
 
 
+_VERL_IS = {"ess": "rollout_corr/rollout_is_eff_sample_size",
+            "mask_frac": "rollout_corr/rollout_rs_masked_fraction"}
+_CHI2_KEYS = ("mismatch/train_rollout/chi2_token", "mismatch/engine/chi2_token",
+              "rollout_corr/chi2_token")
+
+
 @_gate("is_health", IsHealthParams)
 def _is_health(run: _Run, p: IsHealthParams, reference: Mapping[str, float] | None,
                context: Mapping[str, Any]) -> GateResult:
     name = "is_health"
-    checks = (  # quantity, label, limit, ess-like (≥) or not (≤)
-        ("ess", "ESS", p.min_ess, True),
-        ("mask_frac", "mask fraction", p.max_mask_frac, False),
-        ("chi2_token", "χ²_token", p.max_chi2_token, False),
-    )
-    measured = []
-    for quantity, label, limit, at_least in checks:
-        key, pts = run.first_series(METRIC_ALIASES[quantity])
+    # (source, key, label, limit, at least (≥) or at most (≤))
+    wanted: list[tuple[str, str, str, float, bool]] = []
+    for src in IS_SOURCES:
+        wanted.append((src, f"is/{src}/ess", "ESS", p.min_ess, True))
+        wanted.append((src, f"is/{src}/mask_frac", "mask fraction", p.max_mask_frac, False))
+    if not any(run.series(k) for _, k, *_ in wanted):  # a verl export
+        wanted = [("verl", _VERL_IS["ess"], "ESS", p.min_ess, True),
+                  ("verl", _VERL_IS["mask_frac"], "mask fraction", p.max_mask_frac, False)]
+    chi2_key, _ = run.first_series(_CHI2_KEYS)
+    wanted.append(("drift", chi2_key, "χ²_token", p.max_chi2_token, False))
+    measured = []  # source, key, label, value, limit, at_least, window
+    for src, key, label, limit, at_least in wanted:
+        pts = run.series(key)
         if pts:
             tail = _tail(pts, p.tail)
-            measured.append((key, label, _mean(tail), limit, at_least, _span(tail)))
+            measured.append((src, key, label, _mean(tail), limit, at_least, _span(tail)))
     if not measured:
-        wanted = ", ".join(k for q in ("ess", "mask_frac", "chi2_token")
-                           for k in METRIC_ALIASES[q])
+        keys = [f"is/{s}/{q}" for s in IS_SOURCES for q in ("ess", "mask_frac")]
+        keys += list(_VERL_IS.values()) + list(_CHI2_KEYS)
         return _result(name, p, not p.require_data, None, None, None,
-                       f"no IS metrics: none of {wanted} was logged"
+                       f"no IS metrics: none of {', '.join(keys)} was logged"
                        + (" — require_data is set, so the gate fails."
                           if p.require_data else "; passing by default."))
-    failed = [m for m in measured if (m[2] < m[3] if m[4] else m[2] > m[3])]
-    key, _, value, limit, _, window = (failed or measured)[0]
-    parts = []
-    for k, label, v, lim, at_least, _ in measured:
+    failed = [m for m in measured if (m[3] < m[4] if m[5] else m[3] > m[4])]
+    _, key, _, value, limit, _, window = (failed or measured)[0]
+    by_source: dict[str, list[str]] = {}
+    for src, k, label, v, lim, at_least, _ in measured:
         ok = v >= lim if at_least else v <= lim
         op = (("≥" if ok else "<") if at_least else ("≤" if ok else ">"))
-        parts.append(f"{label} {_g(v)} {op} {_g(lim)} ({k})")
+        by_source.setdefault(src, []).append(f"{label} {_g(v)} {op} {_g(lim)} ({k})")
     rung = _diagnose_run(run).escalation
-    evidence = (("IS correction is failing" if failed else "IS correction is healthy")
-                + f" over the last {_pct(p.tail)} of points: " + ", ".join(parts)
+    bad = sorted({m[0] for m in failed}, key=lambda x: (x not in IS_SOURCES, x))
+    evidence = ((f"IS correction is failing ({', '.join(bad)})" if failed
+                 else "IS correction is healthy")
+                + f" over the last {_pct(p.tail)} of points: "
+                + "; ".join(f"{src}: " + ", ".join(parts) for src, parts in by_source.items())
                 + (f"; seed 001's escalation rung: {rung}" if rung else "") + ".")
     return _result(name, p, not failed, value, limit, window, evidence)
+
+
+@_gate("is_weight_mean_band", IsWeightMeanBandParams)
+def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
+                         reference: Mapping[str, float] | None,
+                         context: Mapping[str, Any]) -> GateResult:
+    name = "is_weight_mean_band"
+    lo, hi = 1.0 - p.delta, 1.0 + p.delta
+    found = []  # source, key, points, points outside the band
+    for src in WEIGHT_MEAN_SOURCES:
+        key = f"is/{src}/weight_mean"
+        pts = run.series(key)
+        if pts:
+            found.append((src, key, pts, [(s, v) for s, v in pts if not lo <= v <= hi]))
+    if not found:
+        keys = " or ".join(f"is/{s}/weight_mean" for s in WEIGHT_MEAN_SOURCES)
+        return _not_enough(name, p, 0, keys, 1)
+    parts = []
+    worst: tuple[int, float, str, list[Point]] | None = None  # outside count, |dev|, src, pts
+    for src, key, pts, out in found:
+        if out:
+            s_far, v_far = max(out, key=lambda sv: abs(sv[1] - 1.0))
+            parts.append(f"{key} left [{_g(lo)}, {_g(hi)}] on {len(out)} of {len(pts)} steps "
+                         f"(the farthest {_g(v_far)} at step {s_far}; "
+                         f"{'>' if len(out) > p.max_steps else '≤'} {p.max_steps} allowed)")
+        else:
+            parts.append(f"{key} stayed in [{_g(lo)}, {_g(hi)}] on all {len(pts)} steps "
+                         f"(range {_g(min(v for _, v in pts))}–{_g(max(v for _, v in pts))})")
+        dev = max((abs(v - 1.0) for _, v in out), default=0.0)
+        if worst is None or (len(out), dev) > (worst[0], worst[1]):
+            worst = (len(out), dev, src, pts)
+    assert worst is not None
+    failed = [f for f in found if len(f[3]) > p.max_steps]
+    n_out, _, src, pts = worst
+    verdict = (f"IS weight mean left its band ({', '.join(f[0] for f in failed)}; seed 000's "
+               "Fix-2 trigger → two-sided bounds)" if failed else "IS weight means stayed at 1")
+    return _result(name, p, not failed, float(n_out), float(p.max_steps), _span(pts),
+                   f"{verdict}: " + "; ".join(parts) + ".")
+
+
+@_gate("pg_clipfrac", PgClipfracParams)
+def _pg_clipfrac(run: _Run, p: PgClipfracParams, reference: Mapping[str, float] | None,
+                 context: Mapping[str, Any]) -> GateResult:
+    name = "pg_clipfrac"
+    key, pts = run.first_series(METRIC_ALIASES["pg_clipfrac"])
+    if len(pts) < 2:
+        return _not_enough(name, p, len(pts), key, 2)
+    head, tail = _quarters(pts, p.tail)
+    first, level = _mean(head), _mean(tail)
+    high, rising = level > p.max_level, level > first
+    saturated = high and rising
+    evidence = (f"{'PPO clip saturation (seed 001 cause E)' if saturated else 'no clip saturation'}"
+                f": {key} averaged {_g(level)} over the last {_points(len(tail))} "
+                f"({'>' if high else '≤'} {_g(p.max_level)}), "
+                f"{'up' if rising else 'not up'} from {_g(first)} over the first "
+                f"{_points(len(head))}, {_steps(_span(pts))}.")
+    return _result(name, p, not saturated, level, p.max_level, _span(tail), evidence)
+
+
+@_gate("repetition_rate", RepetitionRateParams)
+def _repetition_rate(run: _Run, p: RepetitionRateParams, reference: Mapping[str, float] | None,
+                     context: Mapping[str, Any]) -> GateResult:
+    name = "repetition_rate"
+    pts = run.series(REPETITION)
+    ref = _ref_value(reference, REPETITION)
+    if len(pts) < (1 if ref is not None else 2):
+        return _not_enough(name, p, len(pts), REPETITION, 1 if ref is not None else 2)
+    head, tail = _quarters(pts, p.tail)
+    level = _mean(tail)
+    base, base_label = ((ref, "the reference level") if ref is not None
+                        else (_mean(head), f"the run's first {_points(len(head))}"))
+    limit = base + p.max_increase
+    rose = level > limit
+    over = p.max_level is not None and level > p.max_level
+    clauses = [f"{REPETITION} averaged {_g(level)} over the last {_points(len(tail))}, "
+               f"{level - base:+.4g} vs {base_label} {_g(base)} "
+               f"({'>' if rose else '≤'} +{_g(p.max_increase)})"]
+    if p.max_level is not None:
+        clauses.append(f"{'>' if over else '≤'} the ceiling {_g(p.max_level)}")
+    verdict = "repetition rose" if rose or over else "no repetition rise"
+    threshold = p.max_level if over and not rose else limit
+    return _result(name, p, not (rose or over), level, threshold, _span(tail),
+                   f"{verdict}: " + ", ".join(clauses) + ".")
+
+
+@_gate("zero_variance_groups", ZeroVarianceGroupsParams)
+def _zero_variance_groups(run: _Run, p: ZeroVarianceGroupsParams,
+                          reference: Mapping[str, float] | None,
+                          context: Mapping[str, Any]) -> GateResult:
+    name = "zero_variance_groups"
+    pts = run.series(ZERO_VARIANCE)
+    if not pts:
+        return _not_enough(name, p, 0, ZERO_VARIANCE, 1)
+    tail = _tail(pts, p.tail)
+    level = _mean(tail)
+    ref = _ref_value(reference, ZERO_VARIANCE)
+    if ref is not None:
+        limit, basis = ref + p.max_increase, (f"the reference level {_g(ref)} + "
+                                              f"{_g(p.max_increase)}")
+    else:
+        limit, basis = p.max_frac, "max_frac, seed 000's ~60 of 128 groups"
+    wasted = level > limit
+    evidence = (f"{'too many' if wasted else 'acceptable'} zero-variance groups: "
+                f"{ZERO_VARIANCE} averaged {_g(level)} over the last {_points(len(tail))} "
+                f"({_pct(level)} of groups carry no gradient) {'>' if wasted else '≤'} "
+                f"{_g(limit)} ({basis}).")
+    return _result(name, p, not wasted, level, limit, _span(tail), evidence)
 
 
 @_gate("no_length_surge", NoLengthSurgeParams)
@@ -979,6 +1285,10 @@ def _staleness_within_bound(run: _Run, p: StalenessWithinBoundParams,
         source = "the run's async mode"
     else:
         bound, source = None, ""
+    dropped = run.series(DROPPED_FRAC)
+    drops_configured = bool(dropped) or context.get("max_off_policy_steps") is not None
+    if drops_configured:
+        return _dropped_fraction(name, p, run, dropped, bound)
     pts = run.series(STALENESS_MAX)
     if bound is None:
         seen = f" (observed max {_g(max(v for _, v in pts))})" if pts else ""
@@ -998,6 +1308,24 @@ def _staleness_within_bound(run: _Run, p: StalenessWithinBoundParams,
     return _result(name, p, ok, worst, bound, _span(pts), evidence)
 
 
+def _dropped_fraction(name: str, p: StalenessWithinBoundParams, run: _Run,
+                      dropped: list[Point], bound: float | None) -> GateResult:
+    """With max_off_policy_steps set the runtime drops what exceeds the bound, so the bound
+    holds by construction; the cumulative dropped fraction is the verdict."""
+    if not dropped:
+        return _not_enough(name, p, 0, f"{DROPPED_FRAC} (drops are configured)", 1)
+    step, frac = dropped[-1]  # cumulative: the last value covers the run
+    ok = frac <= p.max_dropped_frac
+    pts = run.series(STALENESS_MAX)
+    seen = (f"; {STALENESS_MAX} peaked at {_g(max(v for _, v in pts))}" if pts else "")
+    tautology = ("the staleness bound holds by construction — samples beyond it are dropped"
+                 + (f" (bound {_g(bound)})" if bound is not None else "") + seen)
+    evidence = (f"{'too many' if not ok else 'few enough'} samples dropped as too stale: "
+                f"{DROPPED_FRAC} is {_g(frac)} ({_pct(frac)} of the samples, cumulative to step "
+                f"{step}) {'>' if not ok else '≤'} {_g(p.max_dropped_frac)}; {tautology}.")
+    return _result(name, p, ok, frac, p.max_dropped_frac, _span(dropped), evidence)
+
+
 # --------------------------------------------------------------------------------------------
 # Reference summary and diagnosis
 # --------------------------------------------------------------------------------------------
@@ -1010,8 +1338,9 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     read like the gates read (training rows for training metrics, every row for ``eval/*``, None
     and non-numeric values skipped). With a metric logged every step this is the mean over the
     last 25 % of training steps; a sparse metric (eval every k steps) averages its own last 25 %
-    of values. Plus ``"mismatch/logprob_abs_diff/mean/slope"``: the least-squares slope of the
-    logprob diff over the whole run, per step (present with ≥ 2 points).
+    of values. Plus ``"mismatch/train_rollout/logprob_abs_diff/mean/slope"``: the least-squares
+    slope of the headline |Δlogp| over the whole run, per step (present with ≥ 2 points), which
+    ``logprob_diff_flat`` compares a candidate's rise with.
     """
     if not 0 < tail <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail!r}; 0.25 is the last quarter")
@@ -1026,7 +1355,8 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
 def _diagnose_run(run: _Run, tail: float = 0.25) -> Diagnosis:
     metrics = _tail_means(run, run.metric_keys(), tail)
     series: dict[str, list[float]] = {}
-    for quantity in ("response_length", "pg_clipfrac", "proxy3_pure_noise"):
+    for quantity in ("response_length", "pg_clipfrac", "proxy3_pure_noise",
+                     "train_rollout_diff", "engine_diff"):
         key, pts = run.first_series(METRIC_ALIASES[quantity])
         if pts:
             series[key] = [v for _, v in pts]
@@ -1041,42 +1371,113 @@ _ESCALATION_TEXT = {
 }
 
 
-def diagnosis_for(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def _recipe_facts(recipe: Recipe | None) -> dict[str, Any]:
+    """What :func:`prescription` may tailor an override to (nothing without a recipe)."""
+    if recipe is None:
+        return {}
+    model = recipe.model
+    moe = getattr(model, "moe_experts", None)
+    return {"moe": (moe > 0) if isinstance(moe, int) else None, "lr": recipe.optim.lr,
+            "rollout": recipe.engines.rollout}
+
+
+def _check_override(recipe: Recipe | None, override: Mapping[str, Any]) -> str | None:
+    """Why ``override`` does not give a valid recipe on top of ``recipe`` (None if it does, or
+    when there is no recipe to try it on)."""
+    if recipe is None:
+        return None
+    from training.recipe import RecipeError, apply_overrides, recipe_from_dict
+
+    try:
+        recipe_from_dict(apply_overrides(recipe.to_dict(), override), "recipe + override")
+    except RecipeError as e:
+        return str(e)
+    return None
+
+
+def _attribute_logprob_failure(run: _Run, d: Diagnosis) -> str:
+    """Which source a failing ``logprob_diff_flat`` belongs to: the cause the tree already gave
+    the rise ("A"/"B"), else by the exact engine share of the level (engine |Δlogp| ≥ half the
+    train–rollout |Δlogp| → "A", below → "B"), else "unseparated"."""
+    for f in d.findings:
+        if f.cause in ("A", "B") and any(e.metric.startswith(LOGPROB_DIFF) for e in f.evidence):
+            return f.cause
+    if d.engine_exact is None or d.engine_exact < 1.0 - 1e-9:
+        return "unseparated"
+    tr, en = run.series(LOGPROB_DIFF), run.series(ENGINE_DIFF)
+    if not tr or not en:
+        return "unseparated"
+    tr_level, en_level = _mean(_tail(tr, 0.25)), _mean(_tail(en, 0.25))
+    return "A" if en_level >= 0.5 * tr_level else "B"
+
+
+def diagnosis_for(history: Sequence[Mapping[str, Any]],
+                  recipe: Recipe | None = None) -> dict[str, Any]:
     """Seed 001's A–F decision tree on a run, as a JSON-ready dict (for a stage nobody passed).
 
     ``training.algorithms.decision_tree.diagnose`` gets the means of the last 25 % of points of
-    every metric and the per-step series of response length, PPO clip fraction and proxy-3 noise.
-    The tree does not read the train–rollout |Δ log p| that seed 000 watched first; when the
-    ``logprob_diff_flat`` gate fails, its evidence joins cause A's finding, which is added if the
-    tree did not name A (``mismatch/*`` compares the trainer and the rollout engine at
-    the same weights in decoupled mode, so a growing gap is engine mismatch). The default gates
-    that fail are listed under ``failed_gates``.
+    every metric and the per-step series of response length, PPO clip fraction, proxy-3 noise
+    and the train–rollout and engine |Δlogp|. It names A from ``mismatch/engine/*`` only when
+    ``mismatch/engine/exact`` is 1, B from ``is/staleness/*`` and from a train–rollout rise the
+    exact engine gap does not share. When ``logprob_diff_flat`` fails, its evidence joins the
+    cause its source belongs to (see :func:`_attribute_logprob_failure`); a failure whose source
+    cannot be separated under the run's old_logprob strategy is reported under
+    ``unseparated`` with the prescription to rerun under ``snapshot`` — never forced into A.
+
+    Every finding carries ``override``: its fix as a recipe override (dotted keys → values,
+    :func:`training.algorithms.decision_tree.prescription`), tailored to ``recipe`` (MoE or
+    dense, its LR) when given; with a recipe the override is applied and validated, and
+    ``override_error`` says why it does not load (None when it does). The default gates that
+    fail are listed under ``failed_gates``.
 
     Returns:
-        ``{"causes", "findings": [{"cause", "title", "evidence", "fix"}], "healthy",
+        ``{"causes", "findings": [{"cause", "title", "evidence", "fix", "override",
+        "override_error"}], "unseparated": {...} | None, "engine_exact", "healthy",
         "escalation", "escalation_text", "missing", "window", "failed_gates", "summary"}``.
     """
     run = _Run(history)
     d = _diagnose_run(run)
-    findings = [{"cause": f.cause, "title": f.title, "evidence": [str(e) for e in f.evidence],
-                 "fix": f.fix} for f in d.findings]
+    facts = _recipe_facts(recipe)
+
+    def finding(cause: str, title: str, evidence: list[str], fix: str) -> dict[str, Any]:
+        override = prescription(cause, **facts)
+        return {"cause": cause, "title": title, "evidence": evidence, "fix": fix,
+                "override": override, "override_error": _check_override(recipe, override)}
+
+    findings = [finding(f.cause, f.title, [str(e) for e in f.evidence], f.fix)
+                for f in d.findings]
+    unseparated_ev = [str(e) for e in d.unseparated]
     lp = _evaluate("logprob_diff_flat", run, None, None, None)
     if not lp.passed:
-        found_a = next((f for f in findings if f["cause"] == "A"), None)
-        if found_a is not None:
-            found_a["evidence"].append(lp.evidence)
+        source = _attribute_logprob_failure(run, d)
+        if source == "unseparated":
+            unseparated_ev.append(lp.evidence)
         else:
-            title, fix = FIXES["A"]
-            findings.append({"cause": "A", "title": title, "evidence": [lp.evidence],
-                             "fix": fix})
-            findings.sort(key=lambda f: f["cause"])
+            found = next((f for f in findings if f["cause"] == source), None)
+            if found is not None:
+                found["evidence"].append(lp.evidence)
+            else:
+                title, fix = FIXES[source]
+                findings.append(finding(source, title, [lp.evidence], fix))
+                findings.sort(key=lambda f: f["cause"])
+    unseparated = None
+    if unseparated_ev:
+        unseparated = finding("unseparated", UNSEPARATED[0], unseparated_ev, UNSEPARATED[1])
+        unseparated["engine_exact"] = d.engine_exact
     failed = [r for r in (_evaluate(n, run, None, None, None) for n in gate_names())
               if not r.passed]
     causes = [f["cause"] for f in findings]
+    parts = []
     if causes:
-        summary = ("the metrics point to cause(s) " + ", ".join(causes) + " of seed 001's "
-                   "decision tree: " + "; ".join(f"{f['cause']} = {f['title']}" for f in findings)
-                   + ".")
+        parts.append("the metrics point to cause(s) " + ", ".join(causes) + " of seed 001's "
+                     "decision tree: " + "; ".join(f"{f['cause']} = {f['title']}"
+                                                   for f in findings))
+    if unseparated is not None:
+        parts.append("the train–rollout drift cannot be split into engine mismatch and staleness "
+                     "under this run's old_logprob strategy (mismatch/engine/exact "
+                     f"{_g(d.engine_exact)}): rerun with algorithm.old_logprob: snapshot")
+    if parts:
+        summary = "; ".join(parts) + "."
     elif failed:
         summary = ("no decision-tree cause matched, but gates failed: "
                    + ", ".join(r.name for r in failed) + ".")
@@ -1085,7 +1486,9 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "causes": causes,
         "findings": findings,
-        "healthy": d.healthy and not causes,
+        "unseparated": unseparated,
+        "engine_exact": d.engine_exact,
+        "healthy": d.healthy and not causes and unseparated is None,
         "escalation": d.escalation,
         "escalation_text": _ESCALATION_TEXT.get(d.escalation or ""),
         "missing": list(d.missing),
@@ -1093,3 +1496,54 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "failed_gates": [r.to_dict() for r in failed],
         "summary": summary,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# What a recipe must produce for a gate
+# --------------------------------------------------------------------------------------------
+
+
+def unmet_requirement(name: str, params: Mapping[str, Any] | None,
+                      recipe: Recipe) -> str | None:
+    """Why ``recipe`` cannot produce what gate ``name`` (with ``params``) needs to judge — one
+    line naming the fix — or None when it can. The campaign loader calls it for every candidate
+    so a campaign is refused before anything trains.
+
+    * ``eval_tracks_reward`` needs evaluation: ``eval.n`` > 0.
+    * ``staleness_within_bound`` given ``max_dropped_frac`` needs ``async.max_off_policy_steps``
+      (without it nothing is dropped and the parameter would silently never apply).
+    * ``is_weight_mean_band`` needs π_old distinct from μ: under ``old_logprob`` bypass or
+      loglinear (or a bypass preset, which forces bypass) ``is/engine/weight_mean`` is
+      identically 1. Every other recipe measures both sources, corrected or not.
+    * ``zero_variance_groups`` needs groups: ``rollout.n`` ≥ 2.
+    The other gates read metrics every recipe logs.
+
+    Raises:
+        KeyError / ValueError: an unknown gate or bad parameters (as :func:`check_params`).
+    """
+    check_params(name, params or {})
+    given = dict(params or {})
+    if name == "eval_tracks_reward" and recipe.eval.n == 0:
+        return ("gate eval_tracks_reward needs evaluation but the recipe has eval.n: 0; set "
+                "eval.n > 0 or drop the gate")
+    if name == "staleness_within_bound" and "max_dropped_frac" in given \
+            and recipe.async_.max_off_policy_steps is None:
+        return ("gate staleness_within_bound: max_dropped_frac judges samples dropped as too "
+                "stale, but the recipe keeps every sample (async.max_off_policy_steps is null); "
+                "set async.max_off_policy_steps or remove max_dropped_frac")
+    if name == "is_weight_mean_band":
+        a = recipe.algorithm
+        corr = a.correction
+        bypass_preset = getattr(corr, "kind", None) == "preset" \
+            and str(getattr(corr, "name", "")).startswith("bypass_")
+        strategy = "bypass" if bypass_preset else a.old_logprob
+        if strategy in ("bypass", "loglinear"):
+            why = ("a bypass preset forces old_logprob bypass" if bypass_preset
+                   else f"old_logprob is {strategy}")
+            return (f"gate is_weight_mean_band reads the engine IS weight π_old/μ, but {why}, "
+                    "so π_old is μ and the weight is identically 1; use old_logprob snapshot "
+                    "(or recompute/ewma) or drop the gate")
+    if name == "zero_variance_groups" and recipe.rollout.n < 2:
+        return (f"gate zero_variance_groups needs groups of ≥ 2 samples, but rollout.n "
+                f"is {recipe.rollout.n}; raise it or drop the gate")
+    return None

@@ -571,21 +571,62 @@ def gates_cmd(
         raise typer.Exit(3)
 
 
+def _run_recipe(run: Path) -> tuple[Any, str | None]:
+    """The recipe a run trained with (its ``recipe.yaml``), or ``(None, why not)``."""
+    from training.recipe import RecipeError, load_recipe
+
+    path = (run if run.is_dir() else run.parent) / "recipe.yaml"
+    if not path.is_file():
+        return None, f"no {path.name} beside the metrics"
+    try:
+        return load_recipe(path), None
+    except RecipeError as e:
+        return None, str(e)
+
+
+def _override_yaml(override: dict[str, Any]) -> str:
+    """An override as the YAML a campaign candidate's ``overrides:`` takes (dotted keys kept:
+    apply_overrides reads them)."""
+    import yaml
+
+    return yaml.safe_dump({"overrides": override}, sort_keys=False, default_flow_style=False,
+                          allow_unicode=True).rstrip()
+
+
 def diagnose_cmd(
     run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """The decision tree of seed 001 (causes A–F, evidence, fix) on a run's metrics."""
+    """The decision tree of seed 001 on a run's metrics: each cause (A–F) with its evidence, the
+    fix, and the fix as a recipe override — YAML ready to paste into a campaign candidate's
+    ``overrides:``, tailored to and validated against the run's recipe.yaml when it has one."""
     from registry.gates import diagnosis_for
 
-    diag = diagnosis_for(_history(run))
+    history = _history(run)
+    recipe, why = _run_recipe(run)
+    diag = diagnosis_for(history, recipe)
+    diag["recipe"] = "recipe.yaml" if recipe is not None else None
     if as_json:
         typer.echo(json.dumps(diag, indent=2, default=str))
         return
     typer.echo(diag.get("summary", ""))
-    for f in diag.get("findings", []):
-        typer.echo(f"cause {f.get('cause')}: {f.get('title')}\n  evidence: {f.get('evidence')}\n"
-                   f"  fix: {f.get('fix')}")
+    if recipe is None:
+        typer.echo(f"(overrides not tailored to the run's recipe: {why})")
+    blocks = list(diag.get("findings", []))
+    if diag.get("unseparated"):
+        blocks.append(diag["unseparated"])
+    for f in blocks:
+        head = f"cause {f['cause']}" if f["cause"] != "unseparated" else "unseparated"
+        typer.echo(f"{head}: {f['title']}")
+        for e in f["evidence"]:
+            typer.echo(f"  evidence: {e}")
+        typer.echo(f"  fix: {f['fix']}")
+        typer.echo("  prescribed override (paste into a campaign candidate):")
+        for line in _override_yaml(f["override"]).splitlines():
+            typer.echo(f"    {line}")
+        if f.get("override_error"):
+            typer.echo(f"  warning: on this run's recipe the override does not load: "
+                       f"{f['override_error']}")
     if diag.get("escalation_text"):
         typer.echo(f"escalation: {diag['escalation_text']}")
 

@@ -15,11 +15,12 @@ from registry.gates import (
     gate_names,
     gate_params,
     summarize,
+    unmet_requirement,
 )
 from training.algorithms.decision_tree import Thresholds
 from training.runtime.sinks import JsonlSink, read_metrics
 
-LP = "mismatch/logprob_abs_diff/mean"
+LP = "mismatch/train_rollout/logprob_abs_diff/mean"
 ENT = "policy/entropy/mean"
 RW = "rollout/reward_mean"
 EV = "eval/reward_mean"
@@ -30,8 +31,9 @@ ST = "async/staleness/max"
 
 ALL_GATES = [
     "entropy_no_blowup", "eval_tracks_reward", "grad_norm_no_spike", "is_health",
-    "logprob_diff_flat", "no_length_surge", "reward_not_collapsed",
-    "rollout_logprob_not_decreasing", "staleness_within_bound",
+    "is_weight_mean_band", "logprob_diff_flat", "no_length_surge", "pg_clipfrac",
+    "repetition_rate", "reward_not_collapsed", "rollout_logprob_not_decreasing",
+    "staleness_within_bound", "zero_variance_groups",
 ]
 
 
@@ -48,7 +50,7 @@ def hist(series: dict[str, list], start: int = 0) -> list[dict]:
     return rows
 
 
-def test_registry_lists_the_nine_gates():
+def test_registry_lists_the_thirteen_gates():
     assert gate_names() == ALL_GATES
     assert sorted(GATES) == ALL_GATES
 
@@ -116,6 +118,28 @@ def test_logprob_diff_flat_level_relative_to_reference():
     assert r.passed and "max_level" in r.evidence
 
 
+def test_logprob_diff_flat_judges_the_rise_against_the_reference_rise():
+    # the embedded engine's scale: a sync baseline flat at 0.006, a candidate rising
+    # 0.006 → 0.0078 over 9 steps (slope 0.0002/step: far under the absolute 0.0005 and 0.01)
+    run = hist({LP: [0.006 + 0.0002 * i for i in range(10)]})
+    assert evaluate_gate("logprob_diff_flat", run).passed  # the absolute fallback is blind
+    ref = summarize(hist({LP: [0.006] * 10}))
+    assert ref[f"{LP}/slope"] == 0.0
+    r = evaluate_gate("logprob_diff_flat", run, reference=ref)
+    # fitted rise 0.0002 · 9 = 0.0018 − the reference's 0 > 0.5 × 0.006 = 0.003? no: passes on
+    # the rise; level = mean of the last 3 points 0.0074..0.0078 = 0.0076 ≤ 1.5 × 0.006 = 0.009
+    assert r.passed and "excess 0.0018 ≤ 0.003" in r.evidence
+    steeper = hist({LP: [0.006 + 0.0004 * i for i in range(10)]})
+    r = evaluate_gate("logprob_diff_flat", steeper, reference=ref)
+    # rise 0.0036 > 0.003: growing relative to the baseline (level 0.0092 > 0.009 as well)
+    assert not r.passed and "is growing" in r.evidence
+    assert r.value == pytest.approx(0.0036) and r.threshold == pytest.approx(0.003)
+    # a baseline that itself rose as much is no reason to fail the candidate on the trend
+    rising_ref = {LP: 0.008, f"{LP}/slope": 0.0004}
+    r = evaluate_gate("logprob_diff_flat", steeper, reference=rising_ref)
+    assert r.passed and "excess 0 ≤ 0.004" in r.evidence
+
+
 # ------------------------------------------------------------------------ entropy_no_blowup
 
 
@@ -128,8 +152,23 @@ def test_entropy_spike_fails_and_gradual_drift_passes():
     # 0.9 / 0.5 = 1.8 ≤ 2
     r = evaluate_gate("entropy_no_blowup", hist({ENT: [0.5] * 5 + [0.9]}))
     assert r.passed and r.value == pytest.approx(1.8)
+    mild = [0.5 * 1.01 ** i for i in range(30)]  # +1 %/step: never a spike, +30 % over the run
+    r = evaluate_gate("entropy_no_blowup", hist({ENT: mild}))
+    # quarters of 30 points are 8 points: mean 1.01^i over i = 22..29 vs i = 0..7 = 1.01^22 ≈ 1.245
+    assert r.passed and "no sustained rise" in r.evidence and "1.24×" in r.evidence
+
+
+def test_entropy_sustained_rise_fails_without_a_spike():
     drift = [0.5 * 1.05 ** i for i in range(30)]  # +5 %/step: quadruples, never a spike
-    assert evaluate_gate("entropy_no_blowup", hist({ENT: drift})).passed
+    r = evaluate_gate("entropy_no_blowup", hist({ENT: drift}))
+    # last 8 vs first 8 points: 1.05^22 ≈ 2.925 > 1.5, every step ≤ 1.05^3 ≈ 1.16× its median
+    assert not r.passed and r.value == pytest.approx(1.05 ** 22) and r.threshold == 1.5
+    assert r.window == (22, 29) and "sustained entropy rise" in r.evidence
+    # a plateau after a rise, flat against itself at the end but 1.6× the reference level 0.5
+    plateau = [0.8] * 12
+    assert evaluate_gate("entropy_no_blowup", hist({ENT: plateau})).passed
+    r = evaluate_gate("entropy_no_blowup", hist({ENT: plateau}), reference={ENT: 0.5})
+    assert not r.passed and r.value == pytest.approx(1.6) and "reference level 0.5" in r.evidence
 
 
 def test_entropy_window_parameter():
@@ -220,7 +259,7 @@ def test_eval_gate_names_the_difficulty_that_fell_most():
 
 def test_is_health_passes_and_fails_on_each_threshold():
     ok = {"is/combined/ess": [0.9] * 8, "is/combined/mask_frac": [0.01] * 8,
-          "mismatch/chi2_token": [0.1] * 8}
+          "mismatch/train_rollout/chi2_token": [0.1] * 8}
     r = evaluate_gate("is_health", hist(ok))
     assert r.passed and r.value == pytest.approx(0.9) and r.threshold == 0.5
     assert "rs_only" in r.evidence
@@ -232,7 +271,8 @@ def test_is_health_passes_and_fails_on_each_threshold():
     assert "ESS 0.35 < 0.5" in r.evidence
     r = evaluate_gate("is_health", hist(dict(ok, **{"is/combined/mask_frac": [0.3] * 8})))
     assert not r.passed and r.value == pytest.approx(0.3) and r.threshold == 0.25
-    r = evaluate_gate("is_health", hist(dict(ok, **{"mismatch/chi2_token": [1.5] * 8})))
+    r = evaluate_gate("is_health", hist(dict(ok, **{"mismatch/train_rollout/chi2_token":
+                                                    [1.5] * 8})))
     assert not r.passed and r.value == pytest.approx(1.5) and r.threshold == 1.0
 
 
@@ -249,6 +289,98 @@ def test_is_health_defaults_are_the_decision_tree_thresholds():
     assert gate_params("is_health") == {
         "min_ess": t.ess_min, "max_mask_frac": t.rs_mask_high,
         "max_chi2_token": t.chi2_token_blowup, "tail": 0.25, "require_data": False}
+
+
+def test_is_health_reports_each_source_and_names_the_failing_one():
+    rows = hist({"is/combined/ess": [0.9] * 4, "is/engine/ess": [0.95] * 4,
+                 "is/engine/mask_frac": [0.02] * 4, "is/staleness/ess": [0.3] * 4,
+                 "is/staleness/mask_frac": [0.0] * 4})
+    r = evaluate_gate("is_health", rows)
+    assert not r.passed and r.value == pytest.approx(0.3)
+    assert r.evidence.startswith("IS correction is failing (staleness)")
+    assert "combined: ESS 0.9 ≥ 0.5 (is/combined/ess)" in r.evidence
+    assert "engine: ESS 0.95 ≥ 0.5 (is/engine/ess), mask fraction 0.02 ≤ 0.25" in r.evidence
+    assert "staleness: ESS 0.3 < 0.5 (is/staleness/ess)" in r.evidence
+    rows = hist({"is/engine/ess": [0.95] * 4, "is/staleness/ess": [0.8] * 4})
+    assert evaluate_gate("is_health", rows).passed
+
+
+# ------------------------------------------------------------------------ is_weight_mean_band
+
+
+def test_is_weight_mean_band_catches_seed_000s_engine_dips():
+    # the Fix-2 picture: the engine weight mean sits at 1.0 with dips to 0.992 on steps 3 and 7
+    engine = [1.0, 0.999, 1.001, 0.992, 1.0, 1.0, 0.9995, 0.992, 1.0, 1.0]
+    rows = hist({"is/engine/weight_mean": engine, "is/staleness/weight_mean": [1.0] * 10})
+    r = evaluate_gate("is_weight_mean_band", rows)
+    assert not r.passed and (r.value, r.threshold) == (2.0, 1.0)
+    assert "is/engine/weight_mean left [0.995, 1.005] on 2 of 10 steps" in r.evidence
+    assert "farthest 0.992 at step 3" in r.evidence and "(engine;" in r.evidence
+    assert "is/staleness/weight_mean stayed in [0.995, 1.005] on all 10 steps" in r.evidence
+    # one dip is tolerated by default, none with max_steps 0; a wider band passes both
+    one = hist({"is/engine/weight_mean": [1.0] * 9 + [0.992]})
+    assert evaluate_gate("is_weight_mean_band", one).passed
+    assert not evaluate_gate("is_weight_mean_band", one, {"max_steps": 0}).passed
+    assert evaluate_gate("is_weight_mean_band", rows, {"delta": 0.01}).passed
+
+
+def test_is_weight_mean_band_catches_staleness_spikes_upwards():
+    rows = hist({"is/engine/weight_mean": [1.0] * 6,
+                 "is/staleness/weight_mean": [1.0, 1.02, 1.0, 1.03, 1.01, 1.0]})
+    r = evaluate_gate("is_weight_mean_band", rows)
+    assert not r.passed and r.value == 3.0 and "(staleness;" in r.evidence
+    assert "farthest 1.03 at step 3" in r.evidence
+
+
+# ------------------------------------------------------------------------ pg_clipfrac
+
+
+def test_pg_clipfrac_fails_when_high_and_rising():
+    # quarters of 8 points: first (0.15 + 0.18) / 2 = 0.165, last (0.26 + 0.3) / 2 = 0.28 > 0.2
+    rising = [0.15, 0.18, 0.2, 0.21, 0.22, 0.24, 0.26, 0.3]
+    r = evaluate_gate("pg_clipfrac", hist({"policy/pg_clipfrac": rising}))
+    assert not r.passed and r.value == pytest.approx(0.28) and r.threshold == 0.2
+    assert r.window == (6, 7) and "seed 001 cause E" in r.evidence
+    # high but falling: not saturation by seed 001's rule; low and rising: fine
+    assert evaluate_gate("pg_clipfrac", hist({"policy/pg_clipfrac": rising[::-1]})).passed
+    low = [0.01 * i for i in range(8)]
+    assert evaluate_gate("pg_clipfrac", hist({"actor/pg_clipfrac": low})).passed
+
+
+# ------------------------------------------------------------------------ repetition_rate
+
+
+def test_repetition_rate_rise_fails_against_the_run_start_and_the_reference():
+    rep = "rollout/repetition_rate"
+    rows = hist({rep: [0.1, 0.1, 0.12, 0.15, 0.2, 0.25, 0.3, 0.3]})
+    r = evaluate_gate("repetition_rate", rows)
+    # last 2 points 0.3 vs the first 2 points 0.1: +0.2 > +0.1
+    assert not r.passed and r.value == pytest.approx(0.3) and r.threshold == pytest.approx(0.2)
+    assert "+0.2 vs the run's first 2 points 0.1" in r.evidence
+    steady = hist({rep: [0.3] * 8})
+    assert evaluate_gate("repetition_rate", steady).passed
+    # steady at 0.3, but the baseline repeated in 0.15 of responses: +0.15 > +0.1
+    r = evaluate_gate("repetition_rate", steady, reference={rep: 0.15})
+    assert not r.passed and "vs the reference level 0.15" in r.evidence
+    r = evaluate_gate("repetition_rate", steady, {"max_level": 0.25})
+    assert not r.passed and r.threshold == 0.25 and "> the ceiling 0.25" in r.evidence
+
+
+# ------------------------------------------------------------------------ zero_variance_groups
+
+
+def test_zero_variance_groups_seed_000s_60_of_128():
+    zv = "rollout/zero_variance_group_frac"
+    r = evaluate_gate("zero_variance_groups", hist({zv: [60 / 128] * 4}))
+    assert not r.passed and r.value == pytest.approx(0.46875) and r.threshold == 0.45
+    assert "47% of groups carry no gradient" in r.evidence
+    assert evaluate_gate("zero_variance_groups", hist({zv: [0.3] * 4})).passed
+    # the embedded task's sync baseline already wastes 0.6: relative to it, 0.65 passes
+    # and 0.75 (> 0.6 + 0.1) fails
+    ref = {zv: 0.6}
+    assert evaluate_gate("zero_variance_groups", hist({zv: [0.65] * 4}), reference=ref).passed
+    r = evaluate_gate("zero_variance_groups", hist({zv: [0.75] * 4}), reference=ref)
+    assert not r.passed and r.threshold == pytest.approx(0.7)
 
 
 # ------------------------------------------------------------------------ no_length_surge
@@ -344,6 +476,58 @@ def test_staleness_bound_from_context_and_params():
         evaluate_gate("staleness_within_bound", run, context={"max_staleness": "one"})
 
 
+def test_staleness_gate_judges_the_dropped_fraction_when_drops_are_configured():
+    # fully async, max_off_policy_steps 2: the bound holds by construction, drops are the verdict
+    run = hist({ST: [1, 2, 2, 2], "async/dropped_stale_frac": [0.0, 0.1, 0.25, 0.4]})
+    r = evaluate_gate("staleness_within_bound", run, context={"max_staleness": 2})
+    assert not r.passed and (r.value, r.threshold) == (0.4, 0.25)
+    assert "async/dropped_stale_frac is 0.4 (40% of the samples, cumulative to step 3)" \
+        in r.evidence
+    assert "holds by construction" in r.evidence and "(bound 2)" in r.evidence
+    run = hist({ST: [1, 2, 2, 2], "async/dropped_stale_frac": [0.0, 0.02, 0.05, 0.05]})
+    assert evaluate_gate("staleness_within_bound", run, context={"max_staleness": 2}).passed
+    # the context says drops are configured but the metric is missing: not enough data
+    r = evaluate_gate("staleness_within_bound", hist({ST: [1, 2]}),
+                      context={"max_staleness": 2, "max_off_policy_steps": 2})
+    assert r.passed and "async/dropped_stale_frac (drops are configured)" in r.evidence
+    assert not evaluate_gate("staleness_within_bound", hist({ST: [1, 2]}),
+                             {"require_data": True},
+                             context={"max_staleness": 2, "max_off_policy_steps": 2}).passed
+
+
+# ------------------------------------------------------------------------ unmet_requirement
+
+
+def _recipe(**over):
+    from training.recipe import apply_overrides, recipe_from_dict
+
+    return recipe_from_dict(apply_overrides({}, over))
+
+
+def test_unmet_requirement_names_the_missing_recipe_setting():
+    assert unmet_requirement("eval_tracks_reward", {}, _recipe()) is None
+    msg = unmet_requirement("eval_tracks_reward", {}, _recipe(**{"eval.n": 0}))
+    assert "eval.n > 0" in msg and "\n" not in msg
+    msg = unmet_requirement("staleness_within_bound", {"max_dropped_frac": 0.1},
+                            _recipe(**{"async.mode": "fully_async"}))
+    assert "async.max_off_policy_steps" in msg
+    assert unmet_requirement("staleness_within_bound", {}, _recipe()) is None
+    assert unmet_requirement("staleness_within_bound", {"max_dropped_frac": 0.1}, _recipe(
+        **{"async.mode": "fully_async", "async.max_off_policy_steps": 2})) is None
+    # measured on a sync recipe without any correction
+    assert unmet_requirement("is_weight_mean_band", {}, _recipe()) is None
+    msg = unmet_requirement("is_weight_mean_band", {},
+                            _recipe(**{"algorithm.old_logprob": "bypass"}))
+    assert "identically 1" in msg and "old_logprob is bypass" in msg
+    msg = unmet_requirement("zero_variance_groups", {}, _recipe(**{"rollout.n": 1}))
+    assert "rollout.n is 1" in msg
+    assert all(unmet_requirement(n, {}, _recipe()) is None for n in ALL_GATES)
+    with pytest.raises(KeyError):
+        unmet_requirement("nope", {}, _recipe())
+    with pytest.raises(ValueError, match="max_dropped"):
+        unmet_requirement("staleness_within_bound", {"max_dropped": 0.1}, _recipe())
+
+
 # ------------------------------------------------------------------------ shared behaviour
 
 
@@ -398,7 +582,7 @@ def test_unknown_or_bad_params_name_the_param_and_the_fix():
         check_params("logprob_diff_flat", {"max_slop": 0.001})
     msg = str(err.value)
     assert "'max_slop'" in msg and "did you mean 'max_slope'" in msg
-    assert "max_slope, min_rise, max_level, max_ratio, tail, require_data" in msg
+    assert "max_slope, min_rise, max_level, max_ratio, max_rise_ratio, tail, require_data" in msg
     with pytest.raises(ValueError, match=r"'max_ratio' must be a finite number.*default 1\.5"):
         check_params("logprob_diff_flat", {"max_ratio": "1.5x"})
     with pytest.raises(ValueError, match="'drop' must be > 0 and ≤ 1"):
@@ -415,7 +599,8 @@ def test_unknown_or_bad_params_name_the_param_and_the_fix():
 
 def test_check_params_fills_defaults_and_coerces():
     out = check_params("entropy_no_blowup", {"window": 3.0, "spike_factor": 3})
-    assert out == {"spike_factor": 3.0, "window": 3, "require_data": False}
+    assert out == {"spike_factor": 3.0, "window": 3, "sustained_factor": 1.5, "tail": 0.25,
+                   "require_data": False}
     assert isinstance(out["window"], int)
     assert check_params("staleness_within_bound", {"max_staleness": None})["max_staleness"] \
         is None
@@ -427,7 +612,15 @@ def test_documented_defaults():
     assert gate_params("logprob_diff_flat")["max_level"] == 0.05
     assert gate_params("logprob_diff_flat")["max_ratio"] == 1.5
     assert gate_params("entropy_no_blowup") == {"spike_factor": 2.0, "window": 5,
+                                                "sustained_factor": 1.5, "tail": 0.25,
                                                 "require_data": False}
+    assert gate_params("logprob_diff_flat")["max_rise_ratio"] == 0.5
+    assert gate_params("is_weight_mean_band") == {"delta": 0.005, "max_steps": 1,
+                                                  "require_data": False}
+    assert gate_params("pg_clipfrac")["max_level"] == Thresholds().pg_clipfrac_max == 0.2
+    assert gate_params("zero_variance_groups")["max_frac"] == 0.45
+    assert gate_params("repetition_rate")["max_increase"] == 0.1
+    assert gate_params("staleness_within_bound")["max_dropped_frac"] == 0.25
     assert gate_params("reward_not_collapsed")["drop"] == 0.3
     assert gate_params("no_length_surge")["max_rise"] == 0.2
     assert Thresholds().length_surge_ratio - 1 == pytest.approx(0.2)
@@ -484,22 +677,75 @@ def test_summarize_arithmetic():
 # ------------------------------------------------------------------------ diagnosis_for
 
 
-def test_diagnosis_for_a_growing_logprob_diff_names_cause_a():
-    rows = hist({LP: [0.02 + 0.005 * i for i in range(20)], RW: [0.5] * 20})
+ED = "mismatch/engine/logprob_abs_diff/mean"
+EXACT = "mismatch/engine/exact"
+
+
+def test_diagnosis_for_a_rise_shared_by_the_exact_engine_gap_names_cause_a():
+    # sync: π_old is the current version, so engine == train–rollout and exact = 1
+    rise = [0.02 + 0.005 * i for i in range(20)]
+    rows = hist({LP: rise, ED: rise, EXACT: [1.0] * 20, RW: [0.5] * 20})
     d = diagnosis_for(rows)
     assert json.loads(json.dumps(d)) == d
-    assert "A" in d["causes"]
-    finding = next(f for f in d["findings"] if f["cause"] == "A")
-    assert "|Δlogp|" in finding["evidence"][0] and "FP16" in finding["fix"]
+    assert d["causes"] == ["A"] and d["unseparated"] is None
+    finding = d["findings"][0]
+    # quarters of 20 points are 5: (0.02 + 0.005·17) / (0.02 + 0.005·2) = 0.105 / 0.03 = 3.5
+    assert f"{LP} last/first quarter = 3.5 > 1.5" in finding["evidence"]
+    assert any("train–rollout mean |Δlogp| is growing" in e for e in finding["evidence"])
+    assert "FP16" in finding["fix"] and finding["override"] == {"algorithm.old_logprob":
+                                                                "snapshot"}
     assert not d["healthy"]
     assert "logprob_diff_flat" in [g["name"] for g in d["failed_gates"]]
     assert d["window"] == [0, 19]
 
 
+def test_diagnosis_for_a_staleness_driven_rise_names_b_not_a():
+    # snapshot, one-step: the exact engine gap stays at 0.006 while π_current drifts from μ
+    rows = hist({LP: [0.006 + 0.002 * i for i in range(20)], ED: [0.006] * 20,
+                 EXACT: [1.0] * 20, "is/staleness/kl_k1": [0.03] * 20, RW: [0.5] * 20})
+    d = diagnosis_for(rows)
+    assert d["causes"] == ["B"]
+    ev = d["findings"][0]["evidence"]
+    assert "is/staleness/kl_k1 = 0.03 > 0.02" in ev
+    assert f"{ED} last/first quarter = 1 ≤ 1.5" in ev
+    assert any("is growing" in e for e in ev)  # the failing gate joins B, not A
+    assert d["findings"][0]["override"] == {"algorithm.correction": {
+        "kind": "preset", "name": "decoupled_geo_rs_seq_tis",
+        "args": {"is_threshold": 2.0, "rs_threshold": "0.99_1.01"}}}
+
+
+def test_diagnosis_for_an_inexact_engine_gap_is_unseparated_not_a():
+    # recompute: π_old = π_current, so the engine family carries staleness too (exact 0)
+    rise = [0.02 + 0.005 * i for i in range(20)]
+    rows = hist({LP: rise, ED: rise, EXACT: [0.0] * 20, "mismatch/engine/kl_k1": [0.08] * 20})
+    d = diagnosis_for(rows)
+    assert d["causes"] == [] and not d["healthy"]
+    u = d["unseparated"]
+    assert u["override"] == {"algorithm.old_logprob": "snapshot"} and u["engine_exact"] == 0.0
+    assert "mismatch/engine/kl_k1 = 0.08 > 0.05" in u["evidence"]
+    assert any("is growing" in e for e in u["evidence"])
+    assert "rerun with algorithm.old_logprob: snapshot" in d["summary"]
+    # with no decomposition logged at all (an older run), the failure is not forced into A
+    d = diagnosis_for(hist({LP: rise}))
+    assert d["causes"] == [] and d["unseparated"] is not None
+
+
+def test_diagnosis_for_rising_proxy3_names_d():
+    rows = hist({"policy/proxy3_pure_noise": [1.0, 1.0, 1.1, 1.2, 2.0, 3.0, 3.5, 4.0]})
+    d = diagnosis_for(rows)
+    # quarters of 8 points: (3.5 + 4.0) / 2 = 3.75 vs (1.0 + 1.0) / 2 = 1.0 → 3.75 > 1.5
+    assert d["causes"] == ["D"]
+    assert d["findings"][0]["evidence"] == [
+        "policy/proxy3_pure_noise last/first quarter = 3.75 > 1.5"]
+    assert d["findings"][0]["override"]["algorithm.correction"]["name"] == \
+        "decoupled_token_icepop"
+    assert diagnosis_for(hist({"policy/proxy3_pure_noise": [1.0] * 8}))["causes"] == []
+
+
 def test_diagnosis_for_runs_the_decision_tree_on_last_window_means():
     # ESS tail mean 0.2 < 0.5 → D; < 0.3 → the systems-fix rung; kl 0.08 > 0.05 → A
-    rows = hist({"is/combined/ess": [0.9] * 6 + [0.2, 0.2], "mismatch/kl_k1": [0.08] * 8,
-                 "mismatch/chi2_token": [0.5] * 8})
+    rows = hist({"is/combined/ess": [0.9] * 6 + [0.2, 0.2], "mismatch/engine/kl_k1": [0.08] * 8,
+                 EXACT: [1.0] * 8, "mismatch/train_rollout/chi2_token": [0.5] * 8})
     d = diagnosis_for(rows)
     assert d["causes"] == ["A", "D"]
     assert d["escalation"] == "systems_fix" and "fix the system" in d["escalation_text"]

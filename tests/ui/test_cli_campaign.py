@@ -203,7 +203,7 @@ def test_registry_commands_on_an_empty_registry(tmp_path, monkeypatch):
 
 
 def test_gates_and_diagnose_on_a_run_directory(tmp_path):
-    rows = [{"step": s, "rollout/reward_mean": 0.5, "mismatch/logprob_abs_diff/mean":
+    rows = [{"step": s, "rollout/reward_mean": 0.5, "mismatch/train_rollout/logprob_abs_diff/mean":
              0.005 + 0.01 * s, "policy/entropy/mean": 0.2, "async/staleness/max": 0}
             for s in range(8)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -215,7 +215,44 @@ def test_gates_and_diagnose_on_a_run_directory(tmp_path):
     res = runner.invoke(app, ["gates", str(tmp_path), "--gate", "reward_not_collapsed",
                               "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["results"][0]["passed"] is True
+    # no mismatch/engine/* logged: the rise cannot be attributed, so no cause A is invented
     res = runner.invoke(app, ["diagnose", str(tmp_path), "--json"])
-    assert res.exit_code == 0 and "A" in json.loads(res.stdout)["causes"]
+    diag = json.loads(res.stdout)
+    assert res.exit_code == 0 and diag["causes"] == []
+    assert diag["unseparated"]["override"] == {"algorithm.old_logprob": "snapshot"}
     res = runner.invoke(app, ["gates", str(tmp_path / "nope")])
     assert res.exit_code == 1 and "no metrics.jsonl" in res.stderr
+
+
+def test_diagnose_prints_cause_b_and_an_override_that_loads(tmp_path):
+    from training.recipe import apply_overrides, load_recipe, recipe_from_dict
+
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "one_step.yaml")
+    (tmp_path / "recipe.yaml").write_text(recipe.to_yaml())
+    # snapshot, one-step: the exact engine gap flat at 0.006, π_current drifting away from μ
+    rows = [{"step": s, "mismatch/train_rollout/logprob_abs_diff/mean": 0.006 + 0.002 * s,
+             "mismatch/engine/logprob_abs_diff/mean": 0.006, "mismatch/engine/exact": 1.0,
+             "is/staleness/kl_k1": 0.03} for s in range(12)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = runner.invoke(app, ["diagnose", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "cause B: policy staleness" in out and "cause A" not in out
+    assert "  evidence: is/staleness/kl_k1 = 0.03 > 0.02" in out
+    # the indented YAML block after the header is the override, ready to paste
+    block = out.split("prescribed override (paste into a campaign candidate):\n", 1)[1]
+    lines = []
+    for line in block.splitlines():
+        if not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    override = yaml.safe_load("\n".join(lines))["overrides"]
+    assert override == {"algorithm.correction": {
+        "kind": "preset", "name": "decoupled_geo_rs_seq_tis",
+        "args": {"is_threshold": 2.0, "rs_threshold": "0.99_1.01"}}}
+    fixed = recipe_from_dict(apply_overrides(recipe.to_dict(), override))
+    assert fixed.algorithm.correction.name == "decoupled_geo_rs_seq_tis"
+    assert "warning" not in out and "not tailored" not in out
+    diag = json.loads(runner.invoke(app, ["diagnose", str(tmp_path), "--json"]).stdout)
+    assert diag["causes"] == ["B"] and diag["recipe"] == "recipe.yaml"
+    assert diag["findings"][0]["override_error"] is None

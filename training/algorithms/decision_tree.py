@@ -2,42 +2,75 @@
 
 ``diagnose(metrics)`` reads a flat metrics dict (our names, or verl's, see ``METRIC_ALIASES``) and
 returns every cause whose branch the metrics satisfy, with the evidence (which metric crossed which
-threshold) and the prescribed fix. Thresholds are seed 001's operational defaults; calibrate them
-on a metrics-only run and override via :class:`Thresholds`.
+threshold), the prescribed fix and, from :func:`prescription`, that fix as a recipe override
+(dotted keys → values, valid for ``training.recipe.load_recipe(..., overrides=...)``). Thresholds
+are seed 001's operational defaults; calibrate them on a metrics-only run and override via
+:class:`Thresholds`.
 
-Causes:
-    A  precision / kernel / engine mismatch     (same-weights agreement is broken)
-    B  policy staleness                         (drift appears only across policy versions)
-    C  moderate token drift                     (χ²_token > 0.3 with ESS ≥ 0.5)
-    D  IS variance blow-up                      (χ²_token > 1, χ²_seq explodes, ESS < 0.5, noise ↑)
-    E  PPO clip saturation                      (pg_clipfrac > 0.2 and rising)
-    F  optimizer amplification                  (response length +20% within 100 steps)
+Causes, and the decomposed metrics each reads (names of the learner, docs/contract of issue 14):
+    A  precision / kernel / engine mismatch  ``mismatch/engine/*`` (π_old vs μ) — only when
+       ``mismatch/engine/exact`` is 1, i.e. π_old is the exact behaviour version of every token
+       (``snapshot`` without fallback, or sync). Under ``recompute``/``ewma``/``loglinear`` the
+       engine metrics also carry staleness (or nothing), so a crossing there is reported as
+       *unseparated* with the prescription to rerun under ``old_logprob: snapshot``.
+    B  policy staleness                      ``is/staleness/*`` (π_current vs π_old: k1 KL and the
+       p99 of the ratio), and a rising ``mismatch/train_rollout`` |Δlogp| while the exact engine
+       |Δlogp| stays flat.
+    C  moderate token drift                  χ²_token > 0.3 with ESS ≥ 0.5
+    D  IS variance blow-up                   χ²_token > 1, χ²_seq explodes, ESS < 0.5, or
+                                             ``policy/proxy3_pure_noise`` rising
+    E  PPO clip saturation                   pg_clipfrac > 0.2 and rising
+    F  optimizer amplification               response length +20% within 100 steps
+
+χ²_token/χ²_seq are read from ``mismatch/train_rollout/*`` (π_current vs μ: everything a correction
+must cover), the ESS and mask fraction from the IS weight actually applied (``is/combined/*``),
+else the engine source's.
 
 Where the seed leaves a number open ("ppl_ratio far from 1", "probs_diff_max large", "χ²_seq
-explodes") this module picks one, named in :class:`Thresholds`; change it there.
+explodes", "rising") this module picks one, named in :class:`Thresholds`; change it there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-# For each quantity, the metric keys it may appear under (first present wins): our DESIGN.md
-# names first, then verl's, so a verl dashboard export can be diagnosed too.
+ENGINE_PREFIX = "mismatch/engine/"
+ENGINE_EXACT = "mismatch/engine/exact"
+TRAIN_ROLLOUT_DIFF = "mismatch/train_rollout/logprob_abs_diff/mean"
+ENGINE_DIFF = "mismatch/engine/logprob_abs_diff/mean"
+
+# For each quantity, the metric keys it may appear under (first present wins): the learner's
+# names first (issue 14's contract), then the bare ``mismatch/*`` of the zero-staleness check
+# (training.engines.mismatch: same checkpoint, so pure engine mismatch), then verl's, so a verl
+# dashboard export can be diagnosed too. The bare names and verl's rollout_corr/* compare the two
+# engines on the weights both claim to use, so they count as same-weights agreement (seed 001
+# step 1a) without an exactness flag.
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
-    "pearson": ("mismatch/probs_pearson", "training/rollout_actor_probs_pearson_corr"),
-    "probs_diff_max": ("mismatch/probs_abs_diff/max", "training/rollout_probs_diff_max"),
-    "ppl_ratio": ("mismatch/ppl_ratio", "rollout_corr/ppl_ratio"),
-    "kl": ("mismatch/kl_k1", "rollout_corr/kl"),
+    "pearson": ("mismatch/engine/probs_pearson", "mismatch/probs_pearson",
+                "training/rollout_actor_probs_pearson_corr"),
+    "probs_diff_max": ("mismatch/engine/probs_abs_diff/max", "mismatch/probs_abs_diff/max",
+                       "training/rollout_probs_diff_max"),
+    "ppl_ratio": ("mismatch/engine/ppl_ratio", "mismatch/ppl_ratio", "rollout_corr/ppl_ratio"),
+    "kl": ("mismatch/engine/kl_k1", "mismatch/kl_k1", "rollout_corr/kl"),
+    "drift_pearson": ("mismatch/train_rollout/probs_pearson",),
+    "drift_kl": ("mismatch/train_rollout/kl_k1",),
     "staleness_kl": ("is/staleness/kl_k1",),
-    "chi2_token": ("mismatch/chi2_token", "rollout_corr/chi2_token"),
-    "chi2_seq": ("mismatch/chi2_seq", "rollout_corr/chi2_seq"),
+    "staleness_ratio_p99": ("is/staleness/ratio/p99",),
+    "chi2_token": ("mismatch/train_rollout/chi2_token", "mismatch/engine/chi2_token",
+                   "mismatch/chi2_token", "rollout_corr/chi2_token"),
+    "chi2_seq": ("mismatch/train_rollout/chi2_seq", "mismatch/engine/chi2_seq",
+                 "mismatch/chi2_seq", "rollout_corr/chi2_seq"),
     "ess": ("is/combined/ess", "is/engine/ess", "rollout_corr/rollout_is_eff_sample_size"),
     "pg_clipfrac": ("policy/pg_clipfrac", "actor/pg_clipfrac"),
     "response_length": ("rollout/response_length/mean", "response_length/mean"),
     "proxy3_pure_noise": ("policy/proxy3_pure_noise", "proxy3_pure_noise"),
     "mask_frac": ("is/combined/mask_frac", "is/engine/mask_frac",
                   "rollout_corr/rollout_rs_masked_fraction"),
+    "train_rollout_diff": (TRAIN_ROLLOUT_DIFF,),
+    "engine_diff": (ENGINE_DIFF,),
 }
 
 
@@ -51,6 +84,13 @@ class Thresholds:
     kl_engine: float = 0.05            # kl > this on the same checkpoint → Cause A
     ppl_ratio_tolerance: float = 0.05  # |ppl_ratio − 1| > this counts as "far from 1.0" (ours)
     probs_diff_max_large: float = 0.5  # "rollout_probs_diff_max is large" (ours)
+    # Seed 000's M2 table at the onset of instability (step ~130): p99 |δ| ≈ 0.12, i.e. a p99
+    # staleness ratio of e^0.12 ≈ 1.127 ("mild staleness", yet the run diverged ~100 steps later).
+    staleness_ratio_p99: float = 1.127
+    # "rising": mean of the last quarter of a series ÷ mean of its first quarter (ours; seed 000's
+    # uncorrected one-step run rose 4× — 0.025 → 0.10 — so 1.5× flags it well before that).
+    diff_rise_ratio: float = 1.5
+    proxy3_rise_ratio: float = 1.5     # "proxy3_pure_noise inflates over training" (ours)
     chi2_token_moderate: float = 0.3   # > this with ESS ≥ ess_min → Cause C
     chi2_token_blowup: float = 1.0     # > this → Cause D
     chi2_seq_blowup: float = 10.0      # "chi2_seq explodes" (ours)
@@ -95,12 +135,18 @@ class Diagnosis:
     escalation: seed 001's RS → IS → systems ladder: ``"rs_only"``, ``"rs_plus_token_tis"`` or
         ``"systems_fix"`` (None when chi2_token is unknown and no systems trigger fired).
     missing: quantities the tree wanted but found under none of their metric names.
+    engine_exact: ``mismatch/engine/exact`` as logged (1.0 → the engine metrics compare the same
+        weights), None when not logged.
+    unseparated: cause-A crossings of ``mismatch/engine/*`` that cannot be attributed because the
+        engine metrics were not exact (they carry staleness too); :data:`UNSEPARATED` prescribes.
     """
 
     findings: tuple[Finding, ...]
     healthy: bool
     escalation: str | None = None
     missing: tuple[str, ...] = field(default_factory=tuple)
+    engine_exact: float | None = None
+    unseparated: tuple[Evidence, ...] = field(default_factory=tuple)
 
     @property
     def causes(self) -> tuple[str, ...]:
@@ -110,10 +156,11 @@ class Diagnosis:
 FIXES: dict[str, tuple[str, str]] = {
     "A": ("precision / kernel / engine mismatch",
           "Fix the systems gap first: align rollout and train precision (FP16 on both sides is "
-          "the cheapest), then TP degree, then kernels (batch-invariant / deterministic). For MoE "
-          "add routing replay (R3), or decoupled_token_icepop as the cheapest first try. Keep the "
-          "rollout correction disabled while bisecting; if Pearson stays < 0.95 after dtype + TP "
-          "alignment, rebuild the engine path — algorithmic correction cannot rescue it."),
+          "the cheapest; the embedded rollout can run fp32 like its trainer), then TP degree, "
+          "then kernels (batch-invariant / deterministic). For MoE add routing replay (R3), or "
+          "decoupled_token_icepop as the cheapest first try. Keep the rollout correction "
+          "disabled while bisecting; if Pearson stays < 0.95 after dtype + TP alignment, rebuild "
+          "the engine path — algorithmic correction cannot rescue it."),
     "B": ("policy staleness",
           "Reduce staleness (lower staleness_threshold / sync more often), then correct the "
           "residual: decoupled_token_is for mild lag, decoupled_geo_rs_seq_tis(is_threshold=2.0, "
@@ -136,12 +183,73 @@ FIXES: dict[str, tuple[str, str]] = {
           "the LR decay, audit the reward (hacking, EOS handling, length bonus)."),
 }
 
+#: What to do when engine metrics cross a cause-A threshold but are not exact: the engine share
+#: cannot be told from staleness, so rerun where π_old is the exact behaviour version.
+UNSEPARATED = ("engine share not separable",
+               "The engine metrics (mismatch/engine/*) compare π_old with μ, but π_old is not the "
+               "exact behaviour version under this old_logprob strategy (mismatch/engine/exact "
+               "< 1), so the engine share of the drift cannot be separated from staleness. Rerun "
+               "with algorithm.old_logprob: snapshot, then read mismatch/engine/* (A) against "
+               "is/staleness/* (B).")
+
+
+def _preset(name: str, **args: Any) -> dict[str, Any]:
+    return {"kind": "preset", "name": name, "args": dict(args)}
+
+
+def prescription(cause: str, *, moe: bool | None = None, lr: float | None = None,
+                 rollout: str | None = None) -> dict[str, Any]:
+    """A cause's fix as a recipe override: dotted keys → values, for ``load_recipe(...,
+    overrides=...)`` or a campaign candidate's ``overrides:``.
+
+    ``cause`` is ``"A"``–``"F"`` or ``"unseparated"``. What the run's recipe says, when known,
+    completes the prescription: ``moe`` (MoE → routing replay R3, seed 001's "for MoE add routing
+    replay"; dense on the embedded rollout → ``engines.rollout_dtype: fp32``, the trainer's
+    precision), ``lr`` (E and F halve it), ``rollout`` (the rollout backend). Unknown facts leave
+    their key out rather than guess.
+
+    The numbers are seed 001's: B ``decoupled_geo_rs_seq_tis(is_threshold=2.0,
+    rs_threshold="0.99_1.01")``, C ``decoupled_geo_rs(rs_threshold="0.99_1.01")``, D
+    ``decoupled_token_icepop(threshold_lower=0.5, threshold=5.0)``, E 1 PPO epoch + half the LR,
+    F half the LR + ``bypass_pg_geo_rs``.
+    """
+    half_lr = {"optim.lr": lr / 2} if lr is not None and lr > 0 else {}
+    if cause == "A":
+        out: dict[str, Any] = {"algorithm.old_logprob": "snapshot"}
+        if moe:
+            out["algorithm.routing_replay"] = "r3"
+        elif moe is False and rollout == "embedded":
+            out["engines.rollout_dtype"] = "fp32"
+        return out
+    if cause == "unseparated":
+        return {"algorithm.old_logprob": "snapshot"}
+    if cause == "B":
+        return {"algorithm.correction": _preset("decoupled_geo_rs_seq_tis", is_threshold=2.0,
+                                                rs_threshold="0.99_1.01")}
+    if cause == "C":
+        return {"algorithm.correction": _preset("decoupled_geo_rs", rs_threshold="0.99_1.01")}
+    if cause == "D":
+        return {"algorithm.correction": _preset("decoupled_token_icepop", threshold_lower=0.5,
+                                                threshold=5.0)}
+    if cause == "E":
+        return {"optim.epochs": 1, **half_lr}
+    if cause == "F":
+        return {**half_lr, "algorithm.correction": _preset("bypass_pg_geo_rs")}
+    raise ValueError(f"unknown cause {cause!r}; use one of A, B, C, D, E, F or 'unseparated'")
+
 
 def _get(metrics: Mapping[str, float], name: str) -> tuple[str, float] | None:
     for key in METRIC_ALIASES[name]:
-        if key in metrics and metrics[key] is not None:
-            return key, float(metrics[key])
+        v = metrics.get(key)
+        if v is not None and math.isfinite(float(v)):
+            return key, float(v)
     return None
+
+
+def _quarter_means(values: Sequence[float]) -> tuple[float, float]:
+    """Mean of the first and of the last quarter (≥ 1 value each) of a series."""
+    k = max(1, math.ceil(len(values) / 4 - 1e-9))
+    return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def diagnose(
@@ -152,11 +260,13 @@ def diagnose(
     """Match a metrics snapshot (and optional history) against seed 001's decision tree.
 
     Args:
-        metrics: flat dict of the latest values (keys as in ``METRIC_ALIASES``).
+        metrics: flat dict of the latest values (keys as in ``METRIC_ALIASES``; plus
+            ``mismatch/engine/exact``).
         thresholds: overrides of the operational defaults.
         history: optional per-step series of the same keys, oldest first. Used for "rising"
-            (pg_clipfrac, proxy3_pure_noise: last value above the first of the window) and for the
-            response-length surge (last vs ``length_window_steps`` steps earlier).
+            (pg_clipfrac: last value above the first; proxy3_pure_noise and the train–rollout
+            and engine |Δlogp|: last-quarter mean above ``*_rise_ratio`` × the first-quarter
+            mean) and for the response-length surge (last vs ``length_window_steps`` earlier).
     Returns:
         :class:`Diagnosis` with one :class:`Finding` per matching cause, in A–F order.
     """
@@ -164,6 +274,10 @@ def diagnose(
     hist = history or {}
     found: dict[str, list[Evidence]] = {}
     missing: list[str] = []
+    unseparated: list[Evidence] = []
+    exact_v = metrics.get(ENGINE_EXACT)
+    exact = float(exact_v) if exact_v is not None and math.isfinite(float(exact_v)) else None
+    engine_exact = exact is not None and exact >= 1.0 - 1e-9
 
     def val(name: str) -> tuple[str, float] | None:
         got = _get(metrics, name)
@@ -171,32 +285,45 @@ def diagnose(
             missing.append(name)
         return got
 
-    def series(name: str) -> list[float] | None:
+    def series(name: str) -> tuple[str, list[float]] | None:
         for key in METRIC_ALIASES[name]:
             if key in hist and len(hist[key]) >= 2:
-                return [float(v) for v in hist[key]]
+                return key, [float(v) for v in hist[key]]
         return None
 
     def add(cause: str, ev: Evidence) -> None:
         found.setdefault(cause, []).append(ev)
 
+    def add_a(ev: Evidence) -> None:
+        # Our engine metrics name cause A only when they compare the same weights; verl's
+        # rollout_corr/* and training/* are same-weights by construction (seed 001 step 1a).
+        if ev.metric.startswith(ENGINE_PREFIX) and not engine_exact:
+            unseparated.append(ev)
+        else:
+            add("A", ev)
+
     pearson, ppl, kl = val("pearson"), val("ppl_ratio"), val("kl")
     diff_max = val("probs_diff_max")
     # Step 1a: rollout/actor agreement on the same weights.
     if pearson and pearson[1] < t.pearson_broken:
-        add("A", Evidence(pearson[0], pearson[1], "<", t.pearson_broken))
+        add_a(Evidence(pearson[0], pearson[1], "<", t.pearson_broken))
     if diff_max and diff_max[1] > t.probs_diff_max_large:
-        add("A", Evidence(diff_max[0], diff_max[1], ">", t.probs_diff_max_large))
+        add_a(Evidence(diff_max[0], diff_max[1], ">", t.probs_diff_max_large))
     if ppl and abs(ppl[1] - 1.0) > t.ppl_ratio_tolerance:
         op = ">" if ppl[1] > 1.0 else "<"
-        add("A", Evidence(ppl[0], ppl[1], op, 1.0 + (t.ppl_ratio_tolerance if op == ">"
-                                                      else -t.ppl_ratio_tolerance)))
-    # Step 1b: drift magnitude. The mismatch/* KL compares the two engines at the same weights.
+        add_a(Evidence(ppl[0], ppl[1], op, 1.0 + (t.ppl_ratio_tolerance if op == ">"
+                                                   else -t.ppl_ratio_tolerance)))
+    # Step 1b: drift magnitude. Same weights → A; across policy versions → B.
     if kl and kl[1] > t.kl_engine:
-        add("A", Evidence(kl[0], kl[1], ">", t.kl_engine))
+        add_a(Evidence(kl[0], kl[1], ">", t.kl_engine))
     stale = _get(metrics, "staleness_kl")
     if stale and stale[1] > t.kl_healthy:
         add("B", Evidence(stale[0], stale[1], ">", t.kl_healthy))
+    stale_p99 = _get(metrics, "staleness_ratio_p99")
+    if stale_p99 and stale_p99[1] > t.staleness_ratio_p99:
+        add("B", Evidence(stale_p99[0], stale_p99[1], ">", t.staleness_ratio_p99))
+    _attribute_rise(t, series("train_rollout_diff"), series("engine_diff"), engine_exact,
+                    add, unseparated)
     # Step 1c: correction variance.
     chi2, chi2_seq, ess = val("chi2_token"), _get(metrics, "chi2_seq"), val("ess")
     if chi2 and chi2[1] > t.chi2_token_blowup:
@@ -206,8 +333,11 @@ def diagnose(
     if ess and ess[1] < t.ess_min:
         add("D", Evidence(ess[0], ess[1], "<", t.ess_min))
     noise = series("proxy3_pure_noise")
-    if noise and noise[-1] > noise[0]:
-        add("D", Evidence(METRIC_ALIASES["proxy3_pure_noise"][0], noise[-1], ">", noise[0]))
+    if noise:
+        first, last = _quarter_means(noise[1])
+        if first > 0 and last > t.proxy3_rise_ratio * first:
+            add("D", Evidence(f"{noise[0]} last/first quarter", last / first, ">",
+                              t.proxy3_rise_ratio))
     # C: χ²_token > 0.3 but ≤ 1, ESS ≥ 0.5 (or unmeasured) and χ²_seq not exploding.
     if chi2 and t.chi2_token_moderate < chi2[1] <= t.chi2_token_blowup \
             and (ess is None or ess[1] >= t.ess_min) \
@@ -216,28 +346,65 @@ def diagnose(
     # Step 1d: loss mechanics.
     clip = val("pg_clipfrac")
     clip_series = series("pg_clipfrac")
-    rising = clip_series is None or clip_series[-1] > clip_series[0]
+    rising = clip_series is None or clip_series[1][-1] > clip_series[1][0]
     if clip and clip[1] > t.pg_clipfrac_max and rising:
         add("E", Evidence(clip[0], clip[1], ">", t.pg_clipfrac_max))
     lengths = series("response_length")
-    if lengths and len(lengths) > 1:
-        back = lengths[-1 - min(t.length_window_steps, len(lengths) - 1)]
-        if back > 0 and lengths[-1] / back > t.length_surge_ratio:
-            add("F", Evidence("response_length_ratio_over_window", lengths[-1] / back, ">",
+    if lengths:
+        ls = lengths[1]
+        back = ls[-1 - min(t.length_window_steps, len(ls) - 1)]
+        if back > 0 and ls[-1] / back > t.length_surge_ratio:
+            add("F", Evidence("response_length_ratio_over_window", ls[-1] / back, ">",
                               t.length_surge_ratio))
 
+    # Healthy: same-weights agreement is clean — from the exact engine metrics, else from the
+    # train–rollout ones (they bound both sources: clean total drift means clean parts).
+    if engine_exact or not (_get(metrics, "drift_pearson") and _get(metrics, "drift_kl")):
+        h_pearson, h_kl = pearson, kl
+    else:
+        h_pearson, h_kl = _get(metrics, "drift_pearson"), _get(metrics, "drift_kl")
     healthy = (
-        not found and pearson is not None and pearson[1] >= t.pearson_healthy
-        and kl is not None and kl[1] < t.kl_healthy
+        not found and not unseparated and h_pearson is not None
+        and h_pearson[1] >= t.pearson_healthy and h_kl is not None and h_kl[1] < t.kl_healthy
         and (ppl is None or abs(ppl[1] - 1.0) <= t.ppl_ratio_tolerance)
     )
-    escalation = _escalation(t, chi2, _get(metrics, "mask_frac"), ess, pearson)
+    same_weights = pearson if pearson and (engine_exact or not pearson[0].startswith(
+        ENGINE_PREFIX)) else None
+    escalation = _escalation(t, chi2, _get(metrics, "mask_frac"), ess, same_weights)
     findings = tuple(
         Finding(cause=c, title=FIXES[c][0], evidence=tuple(found[c]), fix=FIXES[c][1])
         for c in sorted(found)
     )
     return Diagnosis(findings=findings, healthy=healthy, escalation=escalation,
-                     missing=tuple(dict.fromkeys(missing)))
+                     missing=tuple(dict.fromkeys(missing)), engine_exact=exact,
+                     unseparated=tuple(unseparated))
+
+
+def _attribute_rise(t: Thresholds, train_rollout: tuple[str, list[float]] | None,
+                    engine: tuple[str, list[float]] | None, engine_exact: bool, add,
+                    unseparated: list[Evidence]) -> None:
+    """Seed 000's headline signal, split by source: a rising train–rollout |Δlogp| is staleness
+    (B) when the exact engine |Δlogp| stays flat, engine mismatch (A) when the exact engine
+    |Δlogp| rises with it, and unseparated when the engine metrics are not exact."""
+    if train_rollout is None:
+        return
+    first, last = _quarter_means(train_rollout[1])
+    if first <= 0 or last <= t.diff_rise_ratio * first:
+        return
+    rise = Evidence(f"{train_rollout[0]} last/first quarter", last / first, ">",
+                    t.diff_rise_ratio)
+    if not engine_exact or engine is None:
+        unseparated.append(rise)
+        return
+    e_first, e_last = _quarter_means(engine[1])
+    e_ratio = e_last / e_first if e_first > 0 else math.inf
+    label = f"{engine[0]} last/first quarter"
+    if e_ratio > t.diff_rise_ratio:
+        add("A", rise)
+        add("A", Evidence(label, e_ratio, ">", t.diff_rise_ratio))
+    else:
+        add("B", rise)
+        add("B", Evidence(label, e_ratio, "≤", t.diff_rise_ratio))
 
 
 def _escalation(t: Thresholds, chi2, mask_frac, ess, pearson) -> str | None:

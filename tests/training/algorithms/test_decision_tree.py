@@ -1,4 +1,6 @@
-from training.algorithms.decision_tree import Thresholds, diagnose
+import pytest
+
+from training.algorithms.decision_tree import Thresholds, diagnose, prescription
 
 HEALTHY = {
     "mismatch/probs_pearson": 0.995, "mismatch/ppl_ratio": 1.01, "mismatch/kl_k1": 0.005,
@@ -99,3 +101,77 @@ def test_empty_batch_from_real_modules_is_not_drift():
     metrics = compute_off_policy_diagnostics(lp, lp, lp, torch.zeros(2, 3, dtype=torch.bool))
     d = diagnose(metrics)
     assert d.causes == () and d.escalation == "rs_only"
+
+
+# ------------------------------------------------------------------ the decomposed metrics
+
+
+EXACT = {"mismatch/engine/exact": 1.0}
+
+
+def test_engine_metrics_name_a_only_when_exact():
+    bad_engine = {"mismatch/engine/probs_pearson": 0.9, "mismatch/engine/kl_k1": 0.08}
+    d = diagnose({**bad_engine, **EXACT})
+    assert d.causes == ("A",) and d.unseparated == () and d.engine_exact == 1.0
+    assert d.escalation == "systems_fix"  # same-weights Pearson < 0.95
+    # without the flag (or with exact 0: recompute/ewma) the crossing is unseparated, and the
+    # Pearson of mixed sources does not call for a systems fix
+    for flags in ({}, {"mismatch/engine/exact": 0.0}, {"mismatch/engine/exact": 0.5}):
+        d = diagnose({**bad_engine, **flags})
+        assert d.causes == () and not d.healthy and d.escalation is None
+        assert [e.metric for e in d.unseparated] == ["mismatch/engine/probs_pearson",
+                                                     "mismatch/engine/kl_k1"]
+
+
+def test_staleness_b_from_the_p99_ratio_tail():
+    # seed 000's onset: p99 |δ| ≈ 0.12 → ratio e^0.12 ≈ 1.127
+    d = diagnose({**EXACT, "is/staleness/ratio/p99": 1.2})
+    assert d.causes == ("B",)
+    assert str(d.findings[0].evidence[0]) == "is/staleness/ratio/p99 = 1.2 > 1.127"
+    assert diagnose({**EXACT, "is/staleness/ratio/p99": 1.05}).causes == ()
+
+
+def test_train_rollout_rise_is_b_with_a_flat_exact_engine_and_a_with_a_rising_one():
+    tr = [0.01, 0.012, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04]  # quarters 0.011 → 0.0375
+    flat = [0.006] * 8
+    d = diagnose(EXACT, history={"mismatch/train_rollout/logprob_abs_diff/mean": tr,
+                                 "mismatch/engine/logprob_abs_diff/mean": flat})
+    assert d.causes == ("B",)
+    assert d.findings[0].evidence[0].value == pytest.approx(0.0375 / 0.011)
+    d = diagnose(EXACT, history={"mismatch/train_rollout/logprob_abs_diff/mean": tr,
+                                 "mismatch/engine/logprob_abs_diff/mean": tr})
+    assert d.causes == ("A",)
+    d = diagnose({}, history={"mismatch/train_rollout/logprob_abs_diff/mean": tr,
+                              "mismatch/engine/logprob_abs_diff/mean": flat})
+    assert d.causes == () and len(d.unseparated) == 1
+
+
+def test_prescriptions_are_recipe_overrides():
+    assert prescription("A", moe=True) == {"algorithm.old_logprob": "snapshot",
+                                           "algorithm.routing_replay": "r3"}
+    assert prescription("A", moe=False, rollout="embedded") == {
+        "algorithm.old_logprob": "snapshot", "engines.rollout_dtype": "fp32"}
+    assert prescription("E", lr=3e-5) == {"optim.epochs": 1, "optim.lr": 1.5e-5}
+    assert prescription("F")["algorithm.correction"] == {"kind": "preset",
+                                                         "name": "bypass_pg_geo_rs", "args": {}}
+    with pytest.raises(ValueError, match="unknown cause"):
+        prescription("G")
+
+
+@pytest.mark.parametrize("cause", ["A", "B", "C", "D", "E", "F", "unseparated"])
+@pytest.mark.parametrize("moe", [True, False])
+def test_every_prescription_loads_as_a_valid_recipe(cause, moe):
+    from training.recipe import load_recipe
+
+    base = "recipes/one_step-moe.yaml" if moe else "recipes/one_step.yaml"
+    recipe = load_recipe(base)
+    override = prescription(cause, moe=moe, lr=recipe.optim.lr, rollout=recipe.engines.rollout)
+    out = load_recipe(base, overrides=override)
+    for key, value in override.items():
+        node = out.to_dict()
+        for part in key.split("."):
+            node = node[part]
+        if isinstance(value, dict):
+            assert {k: node[k] for k in value} == value
+        else:
+            assert node == value
