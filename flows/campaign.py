@@ -8,9 +8,18 @@ Tasks:
   is ``$ASYNCRL_HOME/campaigns/<id>/<stage>/<candidate>``: a finished run is not re-run, a run
   killed mid-way resumes from its last checkpoint.
 - :func:`judge` — evaluates the stage's gates on the run's metric history (and the reference
-  stage's summary): registry rows, a JSON gate report and PNG plots as MLflow artifacts.
+  stage's summary): registry rows, a JSON gate report (with the samples the run trained) and
+  PNG plots as MLflow artifacts.
 - :func:`promote` — records the winner in the registry (idempotent) and registers its checkpoint
   as an MLflow model version with the alias ``stage-<stage>`` and ``champion``.
+
+Before a stage trains anything, what it will run is built and checked on the chain actually
+promoted (:func:`registry.campaign.stage_recipes`: every candidate's recipe, each gate's
+requirements). A stage with ``rerun_reference`` first trains ``reference-<stage>`` for every
+stage its gates compare against — that stage's promoted recipe from this stage's starting
+checkpoint, at this stage's steps/samples — through the same tasks (its own MLflow child run and
+registry row; judged on the stage's absolute gates, never promoted), and the relative gates of
+its candidates read that run's summary.
 
 Tasks declare retries and persist their results keyed by campaign id + stage + candidate +
 recipe hash, and the registry is the source of truth for what finished: re-running or resuming a
@@ -34,12 +43,13 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import flow, task
 
-from registry.campaign import Campaign, Candidate, Stage, load_campaign
+from registry.campaign import Campaign, Stage, load_campaign, reference_name, stage_recipes
 from training.fileio import atomic_write_text
 from training.paths import state_dir
 
 if TYPE_CHECKING:
     from registry.ownership import CampaignLease
+    from training.recipe import Recipe
 
 log = logging.getLogger("asyncrl.campaign")
 
@@ -176,11 +186,14 @@ def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
 def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
           references: dict[str, dict[str, float]], context: dict[str, Any],
           registry_url: str | None, mlflow_run_id: str | None,
-          tracking_uri: str | None, where: dict[str, str] | None = None) -> dict[str, Any]:
+          tracking_uri: str | None, where: dict[str, str] | None = None,
+          reference_runs: dict[str, str] | None = None,
+          samples_per_step: int | None = None) -> dict[str, Any]:
     """Evaluate the stage's gates on one run; record them; attach the report and plots. The
     report keeps what the run was judged with (``judged_with``: the gates and their params,
-    the reference summaries, the context, and ``where`` — campaign, stage, candidate), so
-    ``asyncrl gates RUN`` re-judges it the same way."""
+    the reference summaries and, for re-run references, their run directories, the context,
+    and ``where`` — campaign, stage, candidate), so ``asyncrl gates RUN`` re-judges it the same
+    way; and ``samples_trained``, the data the run saw (:func:`samples_trained`)."""
     from flows.plots import run_plots
     from flows.tracking import Tracker
     from registry.db import RegistryDB
@@ -195,11 +208,14 @@ def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
                                      context=context).to_dict())
     passed = all(r["passed"] for r in results)
     used = {g["relative_to"] for g in gates if g.get("relative_to")}
+    trained = samples_trained(run["summary"], history, samples_per_step)
     report = {"passed": passed, "gates": results, "run_dir": run["run_dir"],
-              "summary": run["summary"],
+              "summary": run["summary"], "samples_trained": trained,
               "judged_with": {**(where or {}), "gates": gates, "context": context,
                               "references": {k: v for k, v in references.items()
-                                             if k in used}}}
+                                             if k in used},
+                              "reference_runs": {k: v for k, v in (reference_runs or {}).items()
+                                                 if k in used}}}
     run_dir = Path(run["run_dir"])
     atomic_write_text(run_dir / "gate_report.json", json.dumps(report, indent=2, default=str))
     db = RegistryDB(registry_url)
@@ -215,10 +231,27 @@ def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
             pngs = []
         for png in pngs:
             tracker.log_artifact_file(mlflow_run_id, png, "plots")
-        tracker.set_tags(mlflow_run_id, {"asyncrl.gates_passed": str(passed).lower()})
+        tracker.set_tags(mlflow_run_id, {"asyncrl.gates_passed": str(passed).lower(),
+                                         "asyncrl.samples_trained": str(trained)})
         tracker.end_run(mlflow_run_id, "FINISHED")
     report["summary_for_reference"] = summarize(history)
     return report
+
+
+def samples_trained(summary: Mapping[str, Any], history: list[dict[str, Any]],
+                    samples_per_step: int | None) -> int | None:
+    """The samples (responses) a run trained on: its trained-samples counter (summary
+    ``run/trained_samples``, else the last ``async/trained_samples`` logged), else steps ×
+    ``samples_per_step``; None when none of these is known."""
+    for v in (summary.get("run/trained_samples"),
+              next((r["async/trained_samples"] for r in reversed(history)
+                    if isinstance(r.get("async/trained_samples"), int | float)), None)):
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return int(v)
+    steps = summary.get("steps")
+    if samples_per_step is not None and isinstance(steps, int | float):
+        return int(steps) * samples_per_step
+    return None
 
 
 @task(name="promote", retries=2, retry_delay_seconds=2)
@@ -353,6 +386,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
     current: dict[str, Any] = dict(base)
     checkpoint: str | None = None
     references: dict[str, dict[str, float]] = {}
+    promoted_recipes: dict[str, dict[str, Any]] = {}  # by stage: what rerun_reference re-runs
     outcome = CampaignOutcome(campaign_id, "running", "", mlflow_run_id=parent)
     plot_stages: list[dict[str, Any]] = []
     try:
@@ -366,6 +400,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                     import yaml
 
                     current = yaml.safe_load(recipe_row["yaml"])
+                    promoted_recipes[stage.name] = current
                     checkpoint = done["checkpoint"]
                     history = read_metrics(Path(run_row["run_dir"]) / "metrics.jsonl")
                     from registry.gates import summarize
@@ -381,13 +416,24 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                     db.upsert_stage(campaign_id, stage.name, index, "finished")
                     _emit(events, kind="stage", stage=stage.name, status="promoted (earlier)")
                     continue
+            # on the chain actually promoted, before anything of the stage trains
+            built = stage_recipes(campaign, stage, current, promoted_recipes,
+                                  checkpoint=checkpoint)
             db.upsert_stage(campaign_id, stage.name, index, "running")
             _emit(events, kind="stage", stage=stage.name, status="running")
+            runner = _Runner(campaign_id, stage, db, tracker, exp, parent, registry_url,
+                             tracking_uri, events)
+            stage_refs, reference_runs = dict(references), {}
+            for ref, ref_recipe in built.references.items():  # rerun_reference
+                o = runner.train_and_judge(reference_name(ref), ref_recipe,
+                                           absolute_only=True, references={},
+                                           reference_runs={})
+                stage_refs[ref] = o["report"]["summary_for_reference"]
+                reference_runs[ref] = o["run"]["run_dir"]
             outcomes = []
-            for cand in stage.candidates:
-                o = _run_one(campaign, campaign_id, stage, cand, current, checkpoint,
-                             references, db, tracker, exp, parent, registry_url, tracking_uri,
-                             events)
+            for cand, recipe in built.candidates:
+                o = runner.train_and_judge(cand.name, recipe, references=stage_refs,
+                                           reference_runs=reference_runs)
                 outcomes.append(o)
                 if stage.promotion == "first_passing" and o["report"]["passed"]:
                     break
@@ -414,7 +460,9 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                 _emit(events, kind="stage", stage=stage.name, status="failed", verdict=verdict)
                 break
             plot_stages[-1]["candidates"][outcomes.index(winner)]["promoted"] = True
+            trained = winner["report"].get("samples_trained")
             reason = (f"{stage.promotion}: passed {len(winner['report']['gates'])} gates"
+                      + (f" after {trained} samples" if trained is not None else "")
                       + (f", eval {winner['run']['summary'].get('eval/reward_mean'):.3f}"
                          if winner['run']['summary'].get('eval/reward_mean') is not None else ""))
             promo = promote(campaign_id=campaign_id, campaign_name=campaign.name,
@@ -431,6 +479,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
             _emit(events, kind="promoted", stage=stage.name, candidate=winner["candidate"])
             references[stage.name] = winner["report"]["summary_for_reference"]
             current = winner["recipe_data"]
+            promoted_recipes[stage.name] = current
             checkpoint = winner["run"]["final_hf"]
         else:
             outcome.status = "finished"
@@ -460,39 +509,60 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
     return outcome
 
 
-def _run_one(campaign: Campaign, campaign_id: str, stage: Stage, cand: Candidate,
-             current: dict[str, Any], checkpoint: str | None,
-             references: dict[str, dict[str, float]], db: Any, tracker: Any, exp: str | None,
-             parent: str | None, registry_url: str | None, tracking_uri: str | None,
-             events: EventFn | None) -> dict[str, Any]:
-    recipe = campaign.candidate_recipe(current, stage, cand, checkpoint=checkpoint)
-    rhash = recipe.hash()
-    db.put_recipe(rhash, recipe.name, recipe.to_yaml())
-    child = None
-    if exp and parent:
-        child = tracker.start_candidate_run(exp, parent, campaign_id=campaign_id,
-                                            stage=stage.name, candidate=cand.name,
-                                            recipe=recipe, recipe_hash=rhash, mode=recipe.mode)
-        if child:
-            tracker.log_dict(child, recipe.to_dict(), "recipe.json")
-    _emit(events, kind="candidate", stage=stage.name, candidate=cand.name, status="running",
-          recipe_hash=rhash)
-    run = run_candidate(campaign_id=campaign_id, stage=stage.name, candidate=cand.name,
-                        recipe_hash=rhash, recipe_data=recipe.to_dict(),
-                        registry_url=registry_url, mlflow_run_id=child,
-                        tracking_uri=tracking_uri)
-    report = judge(run=run, gates=[g.model_dump() for g in stage.gates], references=references,
-                   context=_context(recipe.to_dict()), registry_url=registry_url,
-                   mlflow_run_id=child, tracking_uri=tracking_uri,
-                   where={"campaign_id": campaign_id, "stage": stage.name,
-                          "candidate": cand.name})
-    db.upsert_run(campaign_id, stage.name, cand.name, rhash,
-                  status="finished" if report["passed"] else "rejected")
-    _emit(events, kind="candidate", stage=stage.name, candidate=cand.name,
-          status="passed" if report["passed"] else "rejected", summary=run["summary"],
-          gates=report["gates"])
-    return {"candidate": cand.name, "recipe_hash": rhash, "recipe_data": recipe.to_dict(),
-            "run": run, "report": report, "mlflow_run_id": child}
+@dataclass
+class _Runner:
+    """Trains and judges the runs of one stage (its candidates and reference re-runs)."""
+
+    campaign_id: str
+    stage: Stage
+    db: Any
+    tracker: Any
+    exp: str | None
+    parent: str | None
+    registry_url: str | None
+    tracking_uri: str | None
+    events: EventFn | None
+
+    def train_and_judge(self, name: str, recipe: Recipe, *,
+                        references: dict[str, dict[str, float]], reference_runs: dict[str, str],
+                        absolute_only: bool = False) -> dict[str, Any]:
+        """Train ``recipe`` as candidate ``name`` of the stage (a Prefect task, an MLflow child
+        run, a registry row) and judge it on the stage's gates — only those without
+        ``relative_to`` when ``absolute_only`` (a reference re-run is the reference)."""
+        stage, db, tracker = self.stage, self.db, self.tracker
+        rhash = recipe.hash()
+        db.put_recipe(rhash, recipe.name, recipe.to_yaml())
+        child = None
+        if self.exp and self.parent:
+            child = tracker.start_candidate_run(
+                self.exp, self.parent, campaign_id=self.campaign_id, stage=stage.name,
+                candidate=name, recipe=recipe, recipe_hash=rhash, mode=recipe.mode)
+            if child:
+                tracker.log_dict(child, recipe.to_dict(), "recipe.json")
+        _emit(self.events, kind="candidate", stage=stage.name, candidate=name,
+              status="running", recipe_hash=rhash)
+        run = run_candidate(campaign_id=self.campaign_id, stage=stage.name, candidate=name,
+                            recipe_hash=rhash, recipe_data=recipe.to_dict(),
+                            registry_url=self.registry_url, mlflow_run_id=child,
+                            tracking_uri=self.tracking_uri)
+        gates = [g.model_dump() for g in stage.gates
+                 if not (absolute_only and g.relative_to)]
+        report = judge(run=run, gates=gates, references=references,
+                       context=_context(recipe.to_dict()), registry_url=self.registry_url,
+                       mlflow_run_id=child, tracking_uri=self.tracking_uri,
+                       where={"campaign_id": self.campaign_id, "stage": stage.name,
+                              "candidate": name},
+                       reference_runs=reference_runs, samples_per_step=recipe.samples_per_step)
+        # a reference re-run is never promoted: its verdict is information, not a rejection
+        status = "finished" if absolute_only or report["passed"] else "rejected"
+        db.upsert_run(self.campaign_id, stage.name, name, rhash, status=status)
+        shown = ("reference" if absolute_only
+                 else "passed" if report["passed"] else "rejected")
+        _emit(self.events, kind="candidate", stage=stage.name, candidate=name, status=shown,
+              summary=run["summary"], gates=report["gates"],
+              samples_trained=report["samples_trained"])
+        return {"candidate": name, "recipe_hash": rhash, "recipe_data": recipe.to_dict(),
+                "run": run, "report": report, "mlflow_run_id": child}
 
 
 def _start_ray() -> None:

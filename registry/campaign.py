@@ -8,8 +8,17 @@ previous stage's promoted checkpoint. Its ``gates`` judge each candidate's metri
 recipe that moves on: ``first_passing`` (the first candidate, in listed order, whose gates all
 pass) or ``best_eval`` (the passing candidate with the highest final ``eval/reward_mean``).
 
+Candidates of a stage are compared like with like (issue 14): a stage's ``samples`` gives every
+candidate the same data — ``ceil(samples / samples_per_step)`` steps of its own recipe, so a
+candidate on ¼ batches runs 4× the steps — and ``rerun_reference`` re-runs the reference stages'
+promoted recipes from this stage's starting checkpoint with this stage's steps/samples (named
+``reference-<stage>``, never promotable) so relative gates compare against a run that started
+where the candidates start.
+
 Everything is validated when the file is loaded — including every candidate's recipe, built by
-applying the overrides in order — so a typo in stage 4 fails before stage 1 runs. Errors are one
+applying the overrides in order, and whether each of its stage's gates can be judged on what
+that recipe logs (:func:`registry.gates.unmet_requirement`) — so a typo in stage 4, a gate listed
+twice or a gate its candidate cannot feed fails before stage 1 runs. Errors are one
 line naming the field and the fix (:class:`CampaignError`), whatever the file holds (issue 13):
 it is read as plain data by :func:`training.yamlfile.read_yaml`, overrides and gate parameters
 must be plain data, names that become paths or aliases match
@@ -21,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +47,7 @@ from training.recipe import (
 )
 from training.yamlfile import (
     PlainDataError,
+    YamlBool,
     YamlOptInt,
     describe,
     format_validation_error,
@@ -50,9 +62,20 @@ __all__ = [
     "Candidate",
     "GateSpec",
     "Stage",
+    "StageRecipes",
     "campaign_json_schema",
     "load_campaign",
+    "reference_name",
+    "stage_recipes",
 ]
+
+#: A recipe's upper bound on steps (training.recipe.Recipe.steps).
+_MAX_STEPS = 1_000_000
+
+
+def reference_name(stage: str) -> str:
+    """The candidate name of the re-run of ``stage``'s promoted recipe inside a later stage."""
+    return f"reference-{stage}"
 
 class CampaignError(ValueError):
     """A campaign that cannot be used; the message names the field and the fix (one line)."""
@@ -132,8 +155,17 @@ class Stage(_Strict):
     promotion: Literal["first_passing", "best_eval"] = Field("first_passing", description=(
         "first_passing: the first candidate (listed order) that passes every gate; best_eval: the "
         "passing candidate with the highest final eval/reward_mean."))
-    steps: YamlOptInt = Field(None, ge=1, le=1_000_000, description=(
-        "Trainer steps of each candidate (None: the recipe's steps)."))
+    steps: YamlOptInt = Field(None, ge=1, le=_MAX_STEPS, description=(
+        "Trainer steps of each candidate (None: the recipe's steps). Exclusive with samples."))
+    samples: YamlOptInt = Field(None, ge=1, le=10**12, description=(
+        "Samples (responses) each candidate trains: its steps are ceil(samples / the "
+        "candidate's samples per step), so candidates with different batch sizes see the same "
+        "data. Exclusive with steps."))
+    rerun_reference: YamlBool = Field(False, description=(
+        "Before the candidates, re-run the promoted recipe of every stage a gate names in "
+        "relative_to from this stage's starting checkpoint, with this stage's steps or "
+        "samples (candidate 'reference-<stage>', never promoted); those gates compare against "
+        "the re-run. Needs steps or samples."))
 
     _overrides = field_validator("overrides")(_plain)
 
@@ -149,7 +181,45 @@ class Stage(_Strict):
         if dup:
             raise ValueError(f"candidate names repeat in stage {self.name!r}: {', '.join(dup)}; "
                              "rename them")
+        gates = [g.name for g in self.gates]
+        dup = sorted({n for n in gates if gates.count(n) > 1})
+        if dup:  # results are recorded and re-judged by gate name: a second entry is ambiguous
+            raise ValueError(f"stage {self.name!r} lists gate {dup[0]!r} "
+                             f"{gates.count(dup[0])} times; list each gate once, with the "
+                             "params and relative_to you want")
+        if self.steps is not None and self.samples is not None:
+            raise ValueError(f"stage {self.name!r} sets both steps ({self.steps}) and samples "
+                             f"({self.samples}); keep one (samples: equal data per candidate, "
+                             "steps: equal steps)")
+        if self.rerun_reference:
+            self._check_rerun()
         return self
+
+    def _check_rerun(self) -> None:
+        refs = self.reference_stages()
+        if not refs:
+            raise ValueError(f"stage {self.name!r} sets rerun_reference but none of its gates "
+                             "has relative_to; give a gate relative_to: <earlier stage> or drop "
+                             "rerun_reference")
+        if self.steps is None and self.samples is None:
+            raise ValueError(f"stage {self.name!r} sets rerun_reference without steps or "
+                             "samples; set one so the reference trains as much as the "
+                             "candidates")
+        for ref in refs:
+            name = reference_name(ref)
+            try:
+                _check_name(name, "reference run name")
+            except ValueError:
+                raise ValueError(f"stage {self.name!r}: rerun_reference names the re-run of "
+                                 f"stage {ref!r} {name!r}, longer than 64 characters; shorten "
+                                 f"the stage name {ref!r}") from None
+            if name in (c.name for c in self.candidates):
+                raise ValueError(f"stage {self.name!r}: candidate {name!r} has the name of the "
+                                 f"re-run of stage {ref!r} (rerun_reference); rename it")
+
+    def reference_stages(self) -> list[str]:
+        """The stages its gates compare against (relative_to), in first-mention order."""
+        return list(dict.fromkeys(g.relative_to for g in self.gates if g.relative_to))
 
 
 class Campaign(_Strict):
@@ -208,21 +278,47 @@ class Campaign(_Strict):
                          *, checkpoint: str | None = None) -> Recipe:
         """The recipe a candidate runs: ``base`` (the previous stage's promoted recipe as
         data) + the stage's overrides + the candidate's; ``checkpoint`` (the previous stage's
-        promoted HF checkpoint) replaces the model; the stage's ``steps`` wins. The name is
+        promoted HF checkpoint) replaces the model; the stage's ``steps`` wins, or its
+        ``samples`` set the steps from this recipe's samples per step. The name is
         ``<campaign>/<stage>/<candidate>``."""
         where = f"stage {stage.name!r} candidate {candidate.name!r}"
         try:
             data = apply_overrides(base, stage.overrides)
             data = apply_overrides(data, candidate.overrides)
+        except RecipeError as e:
+            raise _located(e, where) from None
+        return self._sized(data, stage, candidate.name, where, checkpoint)
+
+    def reference_recipe(self, promoted: Mapping[str, Any], stage: Stage, reference: str, *,
+                         checkpoint: str | None = None) -> Recipe:
+        """The re-run of ``reference``'s promoted recipe (``promoted``, as data) inside
+        ``stage`` (``rerun_reference``): unchanged but for the model (``checkpoint``, this
+        stage's starting checkpoint), the length (this stage's steps or samples) and the name
+        ``<campaign>/<stage>/reference-<reference>``."""
+        name = reference_name(reference)
+        return self._sized(dict(promoted), stage, name,
+                           f"stage {stage.name!r} {name} (rerun_reference)", checkpoint)
+
+    def _sized(self, data: dict[str, Any], stage: Stage, candidate: str, where: str,
+               checkpoint: str | None) -> Recipe:
+        try:
             if checkpoint is not None:
                 data["model"] = {"kind": "checkpoint", "path": str(checkpoint)}
             if stage.steps is not None:
                 data["steps"] = stage.steps
-            data["name"] = f"{self.name}/{stage.name}/{candidate.name}"
-            return recipe_from_dict(data, where)
+            data["name"] = f"{self.name}/{stage.name}/{candidate}"
+            recipe = recipe_from_dict(data, where)
+            if stage.samples is None:
+                return recipe
+            per_step = recipe.samples_per_step
+            steps = math.ceil(stage.samples / per_step)
+            if steps > _MAX_STEPS:
+                raise CampaignError(
+                    f"{where}: samples={stage.samples} at {per_step} samples a step is {steps} "
+                    f"steps, above the limit {_MAX_STEPS}; lower the stage's samples")
+            return recipe_from_dict({**data, "steps": steps}, where)
         except RecipeError as e:
-            msg = str(e)
-            raise CampaignError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+            raise _located(e, where) from None
 
     def spec_hash(self) -> str:
         """Identity of the campaign's content (stable across processes)."""
@@ -248,17 +344,69 @@ def resolve_base(campaign: Campaign, source_dir: Path) -> dict[str, Any]:
         raise CampaignError(str(e)) from None
 
 
+def _located(err: RecipeError, where: str) -> CampaignError:
+    msg = str(err)
+    return CampaignError(msg if msg.startswith(where) else f"{where}: {msg}")
+
+
+@dataclass(frozen=True)
+class StageRecipes:
+    """What a stage runs: each candidate's recipe (listed order) and, with
+    ``rerun_reference``, the re-run of each reference stage (by that stage's name)."""
+
+    candidates: list[tuple[Candidate, Recipe]]
+    references: dict[str, Recipe]
+
+
+def stage_recipes(campaign: Campaign, stage: Stage, current: Mapping[str, Any],
+                  promoted: Mapping[str, Mapping[str, Any]], *,
+                  checkpoint: str | None = None) -> StageRecipes:
+    """Build and check everything ``stage`` will train, before any of it trains: each
+    candidate's recipe from ``current`` (the previous stage's promoted recipe as data), the
+    reference re-runs from ``promoted`` (promoted recipe data by stage name), and that every
+    gate can be judged on each candidate's recipe. A problem is one :class:`CampaignError`
+    naming the stage, the candidate, the gate and the fix."""
+    cands = [(c, campaign.candidate_recipe(current, stage, c, checkpoint=checkpoint))
+             for c in stage.candidates]
+    for cand, recipe in cands:
+        _check_gates(stage, cand.name, recipe)
+    refs: dict[str, Recipe] = {}
+    if stage.rerun_reference:
+        for ref in stage.reference_stages():
+            if ref not in promoted:
+                raise CampaignError(f"stage {stage.name!r} rerun_reference: stage {ref!r} has "
+                                    "no promoted recipe to re-run; run that stage first")
+            refs[ref] = campaign.reference_recipe(promoted[ref], stage, ref,
+                                                  checkpoint=checkpoint)
+    return StageRecipes(cands, refs)
+
+
+def _check_gates(stage: Stage, candidate: str, recipe: Recipe) -> None:
+    """Every gate of ``stage`` can be judged on what ``recipe`` logs (issue 14: refused at
+    load, not found failing after training)."""
+    from registry import gates
+
+    unmet = getattr(gates, "unmet_requirement", None)
+    if unmet is None:  # a registry.gates without the requirement check: nothing to ask
+        return
+    for g in stage.gates:
+        why = unmet(g.name, g.params, recipe)
+        if why:
+            raise CampaignError(f"stage {stage.name!r} gate {g.name!r} cannot judge candidate "
+                                f"{candidate!r}: {why}")
+
+
 def validate_ladder(campaign: Campaign, base: Mapping[str, Any]) -> None:
-    """Build every candidate's recipe along the first-candidate chain (what runs if every stage
-    promotes its first candidate), so a bad override anywhere fails at load time."""
+    """Build and check what every stage runs (:func:`stage_recipes`) along the first-candidate
+    chain (what runs if every stage promotes its first candidate), so a bad override, a gate a
+    candidate cannot feed or a reference that cannot be re-run fails at load time. The flow
+    checks each stage again on the chain actually promoted, before the stage trains."""
     current = dict(base)
+    promoted: dict[str, dict[str, Any]] = {}
     for st in campaign.stages:
-        first = None
-        for cand in st.candidates:
-            r = campaign.candidate_recipe(current, st, cand)
-            first = first or r
-        assert first is not None
-        current = first.to_dict()
+        built = stage_recipes(campaign, st, current, promoted)
+        current = built.candidates[0][1].to_dict()
+        promoted[st.name] = current
 
 
 def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | None = None

@@ -6,8 +6,11 @@ What it guarantees, for any bytes in any file:
   fix>`` on stderr (or one entry of the ``--json`` list); the exit code is 0 when every file is
   valid, 1 otherwise — never a traceback, never a hang (files are bounded in size, nesting and
   expansion by :mod:`training.yamlfile`);
-- a campaign is validated as ``asyncrl campaign launch`` validates it: its base recipe and every
-  candidate's recipe along the first-candidate chain are built;
+- a campaign is validated as ``asyncrl campaign launch`` validates it
+  (:func:`registry.campaign.campaign_from_dict`): its base recipe and every candidate's recipe
+  along the first-candidate chain are built (a stage's ``samples`` sized per candidate, its
+  ``rerun_reference`` re-runs built too), and a stage listing a gate twice or a gate a
+  candidate's recipe cannot feed (:func:`registry.gates.unmet_requirement`) is an error;
 - it reads the files and a campaign's base recipe and nothing else: it writes nothing (no
   ``$ASYNCRL_HOME``), starts no service and imports no Prefect, MLflow or Ray. Recipes need no
   torch; a campaign's gates are checked by :mod:`registry.gates`, which imports torch today.
