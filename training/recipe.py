@@ -457,11 +457,23 @@ class DataConfig(_Strict):
 # --- algorithm -----------------------------------------------------------------------------------
 
 
+# Registered estimators whose inputs the runtime never provides: the learner calls them with the
+# token rewards, the mask and the group ids only (training.runtime.learner).
+_UNPROVIDED_ESTIMATORS = {
+    "gae": ("gae needs per-token values from a critic, and asyncrl trains no value model; use a "
+            "critic-free estimator: grpo, rloo or reinforce_plus_plus"),
+    "remax": ("remax needs the rewards of a greedy baseline rollout, which the runtime does not "
+              "generate; use rloo (leave-one-out baseline) or grpo"),
+}
+
+
 class AdvantageSpec(_Strict):
     """Advantage estimator (training.algorithms.advantages) and its settings."""
 
-    estimator: str = Field("grpo", description="Registered estimator, e.g. grpo, rloo, "
-                           "reinforce_plus_plus; Dr.GRPO = grpo with norm_by_std false.")
+    estimator: str = Field("grpo", description=(
+        "Registered estimator, e.g. grpo, rloo, reinforce_plus_plus; Dr.GRPO = grpo with "
+        "norm_by_std false. gae and remax are refused: the runtime has no value model (critic) "
+        "and collects no greedy-baseline rewards."))
     norm_by_std: YamlBool = Field(True, description=(
         "grpo: divide by the group std (False = Dr.GRPO, seed 000 stage 4 fix 1)."))
     gamma: YamlFloat = Field(1.0, ge=0.0, le=1.0, description="Discount (gae, reinforce++).")
@@ -470,6 +482,8 @@ class AdvantageSpec(_Strict):
     @field_validator("estimator")
     @classmethod
     def _name(cls, v: str) -> str:
+        if v in _UNPROVIDED_ESTIMATORS:
+            raise ValueError(_UNPROVIDED_ESTIMATORS[v])
         return _check_name(v, "advantage", "advantage estimator")
 
 
@@ -486,6 +500,10 @@ class LossSpec(_Strict):
         "ε_high (clip-higher; None = ε)."))
     clip_ratio_c: YamlFloat = Field(3.0, gt=1.0, le=100.0, description="Dual-clip constant c.")
     entropy_coeff: YamlFloat = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus coefficient.")
+    loss_scale_factor: YamlOptFloat = Field(None, gt=0.0, le=1e7, description=(
+        "Dr.GRPO's constant K of seq-mean-token-sum-norm (the loss is the per-sequence token "
+        "sum / K). None = rollout.max_response_tokens; never the padded batch width, which "
+        "changes from batch to batch."))
 
     @field_validator("name")
     @classmethod
@@ -526,14 +544,17 @@ class NoCorrection(_Strict):
 
 class CompISCorrection(_Strict):
     """CompIS (seed 000): staleness ratio π_prox/π_old and engine ratio π_old/μ, each corrected by
-    its own method; the PPO clip handles π_θ/π_prox."""
+    its own method; the PPO clip handles π_θ/π_prox. The defaults are seed 000's default
+    configuration (after AReaL): a one-sided staleness cap and no engine correction; the two-sided
+    engine IcePop of its "Fix 2" is explicit (``engine: {method: icepop}``)."""
 
     kind: Literal["compis"] = Field("compis", description=(
         "Variant tag: CompIS per-source correction."))
     staleness: SourceSpec = Field(default_factory=lambda: SourceSpec(method="cap"),
                                   description="Correction of r3 = π_prox/π_old (default cap 5).")
-    engine: SourceSpec = Field(default_factory=lambda: SourceSpec(method="icepop"),
-                               description="Correction of r2 = π_old/μ (default IcePop [0.5, 5]).")
+    engine: SourceSpec = Field(default_factory=lambda: SourceSpec(method="none"), description=(
+        "Correction of r2 = π_old/μ (default none: measured, not corrected; seed 000's Fix 2 "
+        "for long context is icepop, band [0.5, 5] by default)."))
 
 
 class PresetCorrection(_Strict):
@@ -543,26 +564,73 @@ class PresetCorrection(_Strict):
     kind: Literal["preset"] = Field("preset", description=(
         "Variant tag: a named rollout-correction preset."))
     name: str = Field(description="Preset name, e.g. decoupled_token_is, decoupled_geo_rs.")
+    args: dict[str, Any] = Field(default_factory=dict, description=(
+        "Keyword arguments of the preset's constructor, e.g. {is_threshold: 2.0, rs_threshold: "
+        "'0.99_1.01'} (numbers or threshold strings); {} = the preset's defaults. Decoupled "
+        "presets weigh π_prox/μ (the lag and the engine mismatch), bypass presets π_θ/μ."))
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         return _check_name(v, "preset", "rollout-correction preset")
 
+    @model_validator(mode="after")
+    def _args(self) -> PresetCorrection:
+        if self.args:  # the constructor decides (imports torch, only for a recipe with args)
+            check_preset_args(self.name, self.args)
+        return self
+
 
 class DecoupledCorrection(_Strict):
-    """Decoupled PPO (AReaL, seed 004): behaviour weight π_prox/π_behav, capped."""
+    """Decoupled PPO (AReaL, seed 004): behaviour weight π_prox/μ, capped (reported under
+    ``is/combined/*``)."""
 
     kind: Literal["decoupled"] = Field("decoupled", description=(
         "Variant tag: decoupled PPO."))
     behaviour_weight_cap: YamlOptFloat = Field(5.0, gt=0.0, description=(
-        "Tokens with π_prox/π_behav above this are masked (None = no cap)."))
+        "Tokens with π_prox/μ above this are masked (None = no cap)."))
+
+
+class DecoupledMISCorrection(_Strict):
+    """Seed 003's decoupled correction in MIS form (Eq. 4): the PPO clip is centred at π_old
+    (staleness correction, π_prox := π_old) and the train–inference discrepancy π_old/μ is
+    repaired by its own mask (IcePop by default)."""
+
+    kind: Literal["decoupled_mis"] = Field("decoupled_mis", description=(
+        "Variant tag: PPO clip around π_old times a discrepancy correction of π_old/μ."))
+    engine: SourceSpec = Field(default_factory=lambda: SourceSpec(method="icepop"), description=(
+        "Correction of π_old/μ (default IcePop [0.5, 5]: tokens outside the band are masked)."))
 
 
 CorrectionSpec = Annotated[
-    NoCorrection | CompISCorrection | PresetCorrection | DecoupledCorrection,
+    NoCorrection | CompISCorrection | PresetCorrection | DecoupledCorrection
+    | DecoupledMISCorrection,
     Field(discriminator="kind"),
 ]
+
+
+def check_preset_args(name: str, args: Mapping[str, Any]) -> None:
+    """ValueError (one line, naming the preset's arguments) unless ``PRESETS[name](**args)``
+    builds a valid rollout-correction config."""
+    import inspect
+
+    from training.algorithms.rollout_correction import PRESETS
+
+    ctor = PRESETS[name]
+    valid = list(inspect.signature(ctor).parameters)
+    takes = f"its arguments: {', '.join(valid)}" if valid else "it takes no arguments"
+    unknown = sorted(set(args) - set(valid))
+    if unknown:
+        raise ValueError(f"preset {name} has no argument {', '.join(unknown)} ({takes})")
+    for key, value in args.items():
+        if isinstance(value, bool) or not isinstance(value, int | float | str) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"preset {name} argument {key} must be a number or a threshold "
+                             f"string like '0.5_5.0', got {describe(value)}")
+    try:
+        ctor(**args)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"preset {name}: {e} ({takes})") from None
 
 
 class EWMASpec(_Strict):
@@ -573,7 +641,9 @@ class EWMASpec(_Strict):
     reset_interval: YamlOptInt = Field(None, ge=1, le=10_000_000, description=(
         "Reset the reference to the current weights after this many updates (None = never)."))
     reset_mask_frac: YamlOptFloat = Field(0.1, gt=0.0, le=1.0, description=(
-        "Reset when the engine-ratio mask rejects more than this fraction of tokens."))
+        "Reset when the train–inference mask on π_old/μ rejects more than this fraction of "
+        "loss tokens (the correction's own mask; when the correction has none, the fraction "
+        "outside the IcePop band [0.5, 5]). None = never by mask rate."))
 
 
 class M2POSpec(_Strict):
@@ -620,14 +690,16 @@ class AlgorithmConfig(_Strict):
         "Policy loss, aggregation and clipping."))
     old_logprob: Literal["recompute", "snapshot", "ewma", "loglinear", "bypass"] = Field(
         "snapshot", description=(
-            "Where π_old comes from (seed 003): recompute = current trainer weights before the "
-            "step; snapshot = the trainer version that produced each token (exact); ewma = "
-            "revised PPO-EWMA reference; loglinear = A-3PO interpolation; bypass = rollout "
-            "log-probs."))
+            "Where π_old and the PPO clip centre π_prox come from (seed 003): recompute = both "
+            "the trainer weights the step starts from; snapshot = π_old exact (the trainer "
+            "version that produced each token), π_prox the step's start weights; ewma = both "
+            "the revised PPO-EWMA reference; loglinear = π_prox the A-3PO interpolation, π_old "
+            "the rollout log-probs; bypass = both the rollout log-probs. Correction kind "
+            "decoupled_mis sets π_prox := π_old."))
     ewma: EWMASpec = Field(default_factory=EWMASpec, description=(
         "Revised PPO-EWMA reference settings (used when old_logprob is ewma)."))
     correction: CorrectionSpec = Field(default_factory=NoCorrection, description=(
-        "IS/RS correction, by kind: none, compis, preset or decoupled."))
+        "IS/RS correction, by kind: none, compis, preset, decoupled or decoupled_mis."))
     m2po: M2POSpec | None = Field(None, description="M2PO masking (null = off).")
     opsm: OPSMSpec | None = Field(None, description="OPSM masking (null = off).")
     routing_replay: Literal["none", "r2", "r3"] = Field("none", description=(
@@ -637,10 +709,33 @@ class AlgorithmConfig(_Strict):
 
     @model_validator(mode="after")
     def _combos(self) -> AlgorithmConfig:
-        if self.old_logprob == "bypass" and isinstance(self.correction, CompISCorrection):
-            raise ValueError("CompIS needs π_old distinct from the rollout log-probs; with "
-                             "old_logprob: bypass use correction kind none or a bypass preset")
+        why = refused_combination(self.old_logprob, self.correction)
+        if why is not None:
+            raise ValueError(why)
         return self
+
+
+def refused_combination(old_logprob: str, correction: Any) -> str | None:
+    """Why a correction cannot work with an old-log-prob strategy (one line with the fix), or
+    None. Bypass has π_prox = π_old = μ, so every ratio these corrections form is 1; loglinear
+    has π_old = μ, so the clip of decoupled_mis would sit on the rollout log-probs."""
+    c = correction
+    if old_logprob == "bypass":
+        if isinstance(c, CompISCorrection):
+            return ("CompIS needs π_old distinct from the rollout log-probs; with old_logprob: "
+                    "bypass use correction kind none or a bypass preset")
+        if isinstance(c, DecoupledCorrection | DecoupledMISCorrection):
+            return (f"correction kind {c.kind} weighs π_prox or π_old against the rollout "
+                    "log-probs, which old_logprob: bypass makes equal (every weight is 1); use "
+                    "old_logprob: snapshot, or a bypass preset")
+        if isinstance(c, PresetCorrection) and c.name.startswith("decoupled_"):
+            return (f"preset {c.name} weighs π_prox against the rollout log-probs, which "
+                    "old_logprob: bypass makes equal (every weight is 1); use old_logprob: "
+                    "snapshot, or a bypass_* preset")
+    if old_logprob == "loglinear" and isinstance(c, DecoupledMISCorrection):
+        return ("decoupled_mis centres the PPO clip at π_old, which loglinear does not have (its "
+                "π_old is the rollout log-probs); use old_logprob: snapshot or ewma")
+    return None
 
 
 class OptimSpec(_Strict):
@@ -805,8 +900,11 @@ class Recipe(_Strict):
 
 # <top>.<section|None>.<key> fields added after runs were recorded: at their default they do not
 # count in the hash, so `--resume` of a run (and a campaign) from before them still matches
-_ADDED_LATER = (("engines", "megatron", "precision", "fp32"),
-                ("async", None, "interrupt", "auto"))
+_ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
+    ("engines", "megatron", "precision", "fp32"),
+    ("async", None, "interrupt", "auto"),
+    ("algorithm", "correction", "args", {}),
+    ("algorithm", "loss", "loss_scale_factor", None))
 
 
 def recipe_hash(recipe: Recipe) -> str:
@@ -839,7 +937,7 @@ def recipe_hash(recipe: Recipe) -> str:
 _UNIONS: UnionTags = {
     "model": ("kind", ("warmstart", "checkpoint")),
     "async": ("mode", ("sync", "one_step", "fully_async")),
-    "correction": ("kind", ("none", "compis", "preset", "decoupled")),
+    "correction": ("kind", ("none", "compis", "preset", "decoupled", "decoupled_mis")),
 }
 _SCHEMA_HINT = "asyncrl schema recipe lists them"  # where an unknown field's message points
 

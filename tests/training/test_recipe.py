@@ -181,7 +181,9 @@ def test_override_switches_the_correction_variant():
     base = {"algorithm": {"correction": {"kind": "preset", "name": "decoupled_token_is"}}}
     r = recipe_from_dict(apply_overrides(base, {"algorithm": {"correction": {"kind": "compis"}}}))
     assert isinstance(r.algorithm.correction, CompISCorrection)
-    assert r.algorithm.correction.engine.method == "icepop"
+    # seed 000's default CompIS: staleness cap 5, engine measured only (Fix 2's IcePop is explicit)
+    assert r.algorithm.correction.staleness.method == "cap"
+    assert r.algorithm.correction.engine.method == "none"
 
 
 # --- hashing -------------------------------------------------------------------------------------
@@ -482,3 +484,71 @@ def test_a_mapping_override_never_hides_a_scalar_given_before_it():
         apply_overrides({"algorithm": {"loss": "x"}}, {"algorithm.loss.name": "vanilla"})
     off = apply_overrides({"algorithm": {"m2po": None}}, {"algorithm": {"m2po": {"threshold": 1}}})
     assert off == {"algorithm": {"m2po": {"threshold": 1}}}
+
+
+# --- corrections and losses of issue 14 ----------------------------------------------------------
+
+
+def test_preset_args_are_checked_by_the_preset_constructor():
+    ok = recipe_from_dict({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_geo_rs_token_tis",
+        "args": {"is_threshold": 3, "rs_threshold": "0.99_1.01"}}}})
+    assert ok.algorithm.correction.args == {"is_threshold": 3, "rs_threshold": "0.99_1.01"}
+    assert _error({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_token_is", "args": {"is_threshold": 2.0}}}}) == (
+        "recipe: algorithm.correction: preset decoupled_token_is has no argument is_threshold "
+        "(its arguments: threshold)")
+    msg = _error({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_geo_rs", "args": {"rs_threshold": "1.01_0.99"}}}})
+    assert msg.startswith("recipe: algorithm.correction: preset decoupled_geo_rs: ")
+    assert "exceeds upper bound" in msg and msg.endswith("(its arguments: rs_threshold)")
+    assert "got true" in _error({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_token_is", "args": {"threshold": True}}}})
+    assert "it takes no arguments" in _error({"algorithm": {"correction": {
+        "kind": "preset", "name": "disabled", "args": {"threshold": 2.0}}}})
+
+
+def test_decoupled_mis_is_a_correction_kind_with_an_icepop_default():
+    r = recipe_from_dict({"algorithm": {"old_logprob": "snapshot",
+                                        "correction": {"kind": "decoupled_mis"}}})
+    assert r.algorithm.correction.engine.method == "icepop"
+    assert r.algorithm.correction.engine.lower is None  # the method's band, [0.5, 5]
+    assert "'decoupled_mis'" in _error({"algorithm": {"correction": {"kind": "mis"}}})
+
+
+def test_loss_scale_factor_is_positive_or_none():
+    assert Recipe().algorithm.loss.loss_scale_factor is None
+    assert recipe_from_dict({"algorithm": {"loss": {"loss_scale_factor": 512}}}) \
+        .algorithm.loss.loss_scale_factor == 512.0
+    assert "algorithm.loss.loss_scale_factor" in _error(
+        {"algorithm": {"loss": {"loss_scale_factor": 0}}})
+
+
+def test_issue_14_fields_at_their_defaults_keep_the_hash():
+    """Hashes recorded before preset args and loss_scale_factor existed (asyncrl a50f1d2)."""
+    preset = {"algorithm": {"correction": {"kind": "preset", "name": "decoupled_geo_rs"}}}
+    assert recipe_from_dict(preset).hash() == "f78bf853f8b84edb"
+    assert recipe_from_dict({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_geo_rs", "args": {}}}}).hash() == "f78bf853f8b84edb"
+    assert recipe_from_dict({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_geo_rs", "args": {"rs_threshold": "0.99_1.01"}}}}
+    ).hash() != "f78bf853f8b84edb"
+    drgrpo = {"algorithm": {"loss": {"agg": "seq-mean-token-sum-norm"}}}
+    assert recipe_from_dict(drgrpo).hash() == "367f8f1de28541ac"
+    assert recipe_from_dict({"algorithm": {"loss": {"agg": "seq-mean-token-sum-norm",
+                                                    "loss_scale_factor": 32}}}).hash() \
+        != "367f8f1de28541ac"
+    # the CompIS engine default changed (IcePop → none): the same run is written explicitly
+    explicit = {"algorithm": {"old_logprob": "snapshot", "correction": {
+        "kind": "compis", "engine": {"method": "icepop"}}}}
+    assert recipe_from_dict(explicit).hash() == "66531c0ec6dcc354"
+
+
+def test_combinations_without_meaning_are_refused():
+    for old, corr, fix in (
+            ("bypass", {"kind": "decoupled"}, "use old_logprob: snapshot, or a bypass preset"),
+            ("bypass", {"kind": "preset", "name": "decoupled_token_is"}, "bypass_* preset"),
+            ("bypass", {"kind": "decoupled_mis"}, "use old_logprob: snapshot"),
+            ("loglinear", {"kind": "decoupled_mis"}, "use old_logprob: snapshot or ewma")):
+        msg = _error({"algorithm": {"old_logprob": old, "correction": corr}})
+        assert msg.startswith("recipe: algorithm: ") and fix in msg, msg

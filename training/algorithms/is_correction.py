@@ -215,13 +215,14 @@ class CompISConfig:
     """Per-source corrections of CompIS (seed 000). r1 (trust region) is the policy loss's clip.
 
     staleness: correction of r3 = π_prox/π_old. Default: one-sided cap at 5.0 (AReaL's behaviour
-        weight cap, seed 000's first stable configuration).
-    engine: correction of r2 = π_old/μ. Default: IcePop two-sided rejection in [0.5, 5.0] — the
-        two-sided bound seed 000 (stage 4, "Fix 2") found necessary at long context.
+        weight cap, seed 000's default configuration).
+    engine: correction of r2 = π_old/μ. Default: ``none`` (measured, not corrected), seed 000's
+        default configuration "following the AReaL codebase". Its stage-4 "Fix 2" — needed at
+        64k context — is ``SourceCorrection("icepop")``, two-sided rejection in [0.5, 5.0].
     """
 
     staleness: SourceCorrection = field(default_factory=lambda: SourceCorrection("cap"))
-    engine: SourceCorrection = field(default_factory=lambda: SourceCorrection("icepop"))
+    engine: SourceCorrection = field(default_factory=lambda: SourceCorrection("none"))
 
 
 @dataclass(frozen=True)
@@ -263,13 +264,33 @@ def compute_compis_weights(
                                    prefix="is/engine/")
     keep = stale.keep_mask & engine.keep_mask
     weight = torch.where(keep, stale.weight * engine.weight, torch.zeros_like(stale.weight))
-    n = masked_count(valid).clamp(min=1).to(weight.dtype)
-    metrics = {**stale.metrics, **engine.metrics}
-    metrics["is/combined/weight_mean"] = masked_mean(weight, valid).item()
-    metrics["is/combined/ess"] = effective_sample_size(weight, valid).item()
-    metrics["is/combined/mask_frac"] = (masked_count(valid & ~keep) / n).item()
+    metrics = {**stale.metrics, **engine.metrics, **applied_weight_metrics(weight, keep, valid)}
     return CompISWeights(weight=weight.detach(), keep_mask=keep, staleness=stale, engine=engine,
                          metrics=metrics)
+
+
+def applied_weight_metrics(weight: torch.Tensor | None, keep: torch.Tensor, mask: torch.Tensor,
+                           prefix: str = "is/combined/") -> dict[str, float]:
+    """``weight_mean``, ``ess`` and ``mask_frac`` of the IS weight a loss actually applies.
+
+    Args:
+        weight: (B, T) applied weight (None: the loss applies none → weight 1 on kept tokens).
+        keep: (B, T) tokens the loss keeps.
+        mask: (B, T) loss tokens before the correction.
+    Returns:
+        Over the loss tokens, with rejected tokens counting as weight 0: the mean weight, the
+        normalised ESS, and ``mask_frac`` = the fraction rejected (dropped from ``keep``, or kept
+        with weight exactly 0, as an IcePop band in a rollout-correction preset leaves them).
+    """
+    valid = as_bool_mask(mask)
+    kept = as_bool_mask(keep) & valid
+    w = kept.to(torch.float64) if weight is None else sanitize(weight.detach().to(torch.float64),
+                                                               kept)
+    rejected = valid & (~kept | (w == 0))
+    n = masked_count(valid).clamp(min=1).to(torch.float64)
+    return {f"{prefix}weight_mean": masked_mean(w, valid).item(),
+            f"{prefix}ess": effective_sample_size(w, valid).item(),
+            f"{prefix}mask_frac": (masked_count(rejected) / n).item()}
 
 
 def compis_policy_loss(
@@ -335,7 +356,8 @@ def decoupled_ppo_loss(
         behaviour_log_prob: (B, T) the policy that generated the tokens.
         advantages, response_mask: (B, T).
     Returns:
-        (loss, metrics incl. ``is/staleness/*`` of the behaviour weight).
+        (loss, metrics incl. ``is/combined/*`` of the behaviour weight: it is the only IS
+        weight applied, neither the staleness nor the engine ratio alone).
     """
     from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig
 
@@ -344,7 +366,7 @@ def decoupled_ppo_loss(
     method = (SourceCorrection("none") if behaviour_weight_cap is None
               else SourceCorrection("cap", upper=behaviour_weight_cap))
     corr = compute_is_correction(proximal_log_prob, behaviour_log_prob, response_mask, method,
-                                 prefix="is/staleness/")
+                                 prefix="is/combined/")
     loss, metrics = POLICY_LOSSES.get("vanilla")(
         proximal_log_prob, log_prob, advantages, corr.keep_mask,
         loss_config if loss_config is not None else PolicyLossConfig(),

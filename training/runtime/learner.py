@@ -25,24 +25,31 @@ model once). One :meth:`Learner.step`:
                                                        version that produced it; tokens of an
                                                        evicted version fall back to π_current
                                                        (``old/snapshot_fallback_frac``)
-   ewma        π_current                               the revised PPO-EWMA reference: an EWMA
-                                                       of the *parameters*, β = W/(W+2), reset
-                                                       by interval or by the engine-mask rate
+   ewma        π_old (seed 003 §5.2: the EWMA          the revised PPO-EWMA reference: an EWMA
+               replaces the unavailable old policy     of the *parameters*, β = W/(W+2), reset
+               for the staleness correction — the      by interval or by the train–inference
+               clip — and the discrepancy repair)      mask rate (``old/ewma_mask_frac``)
    loglinear   A-3PO: log μ + α (log π_current −      μ (so r2 ≡ 1 and r3 = π_prox/μ is the
                log μ), α = (v_θ−1−v_b)/(v_θ−v_b)      decoupled behaviour weight)
    bypass      μ                                       μ
    ==========  ======================================  =======================================
 
-   A bypass rollout-correction preset forces the bypass strategy (π_prox = π_old = μ).
+   A bypass rollout-correction preset forces the bypass strategy (π_prox = π_old = μ); the
+   ``decoupled_mis`` correction sets π_prox := π_old (:func:`proximal_and_old`).
 5. **Rewards**: the scalar reward sits on the last loss token of the response; with
    ``kl.mode: in_reward`` the token reward loses β·KL(π_old ‖ π_ref) per token (fixed β, or the
    adaptive controller when ``kl.target`` is set).
 6. **Advantages** by the recipe's estimator, grouped by ``group_id``.
-7. **Correction** by ``algorithm.correction``: ``none``; ``compis`` (r3 = π_prox/π_old and
-   r2 = π_old/μ, each with its own method); ``preset`` (seed 001's table: decoupled presets give
-   IS weights / an RS mask from π_old vs μ; bypass presets switch the loss to ``bypass_mode`` with
-   the preset's config, which computes IS/RS between π_θ and μ itself); ``decoupled`` (AReaL's
-   behaviour weight π_prox/μ, capped). M2PO and OPSM then restrict the kept tokens further.
+7. **Correction** by ``algorithm.correction`` (:func:`apply_correction`): ``none``; ``compis``
+   (r3 = π_prox/π_old and r2 = π_old/μ, each with its own method); ``preset`` (seed 001's table:
+   decoupled presets give IS weights / an RS mask from π_prox vs μ, so they cover the lag as
+   verl's decoupled mode does; bypass presets switch the loss to ``bypass_mode`` with the
+   preset's config, which computes IS/RS between π_θ and μ itself); ``decoupled`` (AReaL's
+   behaviour weight π_prox/μ, capped); ``decoupled_mis`` (seed 003 Eq. 4: clip around π_old, the
+   discrepancy π_old/μ repaired by its own method). The applied weight is reported under
+   ``is/combined/*``. M2PO and OPSM then restrict the kept tokens further. The loss's Dr.GRPO
+   constant is ``loss_scale_factor`` or ``rollout.max_response_tokens``
+   (:func:`policy_loss_config`).
 8. **Trains**: for each epoch, one ``train_step`` per mini-batch of consecutive groups
    (``async.require_batches`` mini-batches; the last takes the remainder), with
    ``old_log_prob = π_prox``; R2 replays the routes of the step's start version.
@@ -78,6 +85,7 @@ from training.algorithms.is_correction import (
     EWMAConfig,
     EWMAState,
     SourceCorrection,
+    applied_weight_metrics,
     compute_compis_weights,
     compute_is_correction,
     ewma_update,
@@ -97,10 +105,14 @@ from training.recipe import Recipe
 from training.runtime.types import Group, Sample
 
 __all__ = [
+    "AppliedCorrection",
     "Learner",
     "StepResult",
+    "apply_correction",
     "engine_optim_config",
     "ewma_staleness_window",
+    "policy_loss_config",
+    "proximal_and_old",
     "repetition_rate",
 ]
 
@@ -200,6 +212,23 @@ def engine_optim_config(recipe: Recipe) -> OptimConfig:
                        total_steps=total if o.lr_schedule == "cosine" else None)
 
 
+def policy_loss_config(recipe: Recipe,
+                       rollout_correction: RolloutCorrectionConfig | None = None
+                       ) -> PolicyLossConfig:
+    """The :class:`PolicyLossConfig` of a recipe's ``algorithm.loss``. Dr.GRPO's constant K of
+    ``seq-mean-token-sum-norm`` is ``loss_scale_factor``, else ``rollout.max_response_tokens``:
+    never the padded width of the batch, which would make a sequence's loss depend on the
+    longest response it was batched with."""
+    loss = recipe.algorithm.loss
+    scale = (loss.loss_scale_factor if loss.loss_scale_factor is not None
+             else float(recipe.rollout.max_response_tokens))
+    return PolicyLossConfig(loss_agg_mode=loss.agg, clip_ratio=loss.clip_ratio,
+                            clip_ratio_low=loss.clip_ratio_low,
+                            clip_ratio_high=loss.clip_ratio_high,
+                            clip_ratio_c=loss.clip_ratio_c, loss_scale_factor=scale,
+                            rollout_correction=rollout_correction)
+
+
 def repetition_rate(responses: Sequence[Sequence[int]], n: int = REPETITION_NGRAM) -> float:
     """Fraction of responses containing some n-gram of token ids at least twice (0 if none)."""
     if not responses:
@@ -287,6 +316,120 @@ def _mean_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Which policies and weights a strategy and a correction give (pure; tested on hand-built tensors)
+# ------------------------------------------------------------------------------------------------
+
+
+def proximal_and_old(strategy: str, correction_kind: str, current: torch.Tensor,
+                     mu: torch.Tensor, reference: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(π_prox, π_old) of an old-log-prob strategy and a correction kind (module docstring).
+
+    Args:
+        strategy: ``recompute``, ``snapshot``, ``ewma``, ``loglinear`` or ``bypass``.
+        correction_kind: ``algorithm.correction.kind``; ``decoupled_mis`` centres the PPO clip at
+            π_old (seed 003 Eq. 4), every other kind keeps the strategy's π_prox.
+        current: (B, T) π_current. mu: (B, T) rollout log-probs.
+        reference: (B, T) the strategy's own policy: the exact per-token π_old (snapshot), the
+            EWMA reference (ewma), the A-3PO interpolation (loglinear); unused otherwise.
+    """
+    if strategy in ("snapshot", "ewma", "loglinear") and reference is None:
+        raise ValueError(f"old_logprob {strategy} needs its reference log-probs")
+    if strategy == "recompute":
+        prox, old = current, current
+    elif strategy == "snapshot":
+        prox, old = current, reference
+    elif strategy == "ewma":  # seed 003 §5.2: the EWMA replaces π_old for both ratios
+        prox, old = reference, reference
+    elif strategy == "loglinear":
+        prox, old = reference, mu
+    elif strategy == "bypass":
+        prox, old = mu, mu
+    else:
+        raise ValueError(f"unknown old_logprob strategy {strategy!r}")
+    assert prox is not None and old is not None
+    if correction_kind == "decoupled_mis":
+        prox = old
+    return prox, old
+
+
+@dataclass(frozen=True)
+class AppliedCorrection:
+    """What a correction kind does to the loss (before M2PO / OPSM).
+
+    weights: (B, T) detached IS weights the loss multiplies by, or None.
+    keep: (B, T) tokens kept.
+    metrics: ``is/combined/*`` of the applied weight (every kind that applies one; the AReaL
+        ``decoupled`` kind all of :func:`compute_is_correction`'s keys there), ``rollout_corr/*``
+        of a decoupled preset. The per-source ratios (``is/staleness/*``, ``is/engine/*``) are
+        measured elsewhere, on π_current/π_old and π_old/μ, whatever the kind.
+    engine_rejects: whether the kind can reject tokens by their π_prox/μ ratio with a mask (the
+        train–inference mask of the EWMA reset, where π_prox = π_old).
+    """
+
+    weights: torch.Tensor | None
+    keep: torch.Tensor
+    metrics: dict[str, float]
+    engine_rejects: bool
+
+
+def _source(spec: Any) -> SourceCorrection:
+    return SourceCorrection(spec.method, spec.lower, spec.upper)
+
+
+def apply_correction(correction: Any, preset: RolloutCorrectionConfig | None,
+                     proximal: torch.Tensor, old: torch.Tensor, mu: torch.Tensor,
+                     mask: torch.Tensor) -> AppliedCorrection:
+    """The IS weights and kept tokens of ``algorithm.correction`` (a recipe correction spec).
+
+    ====================  =================================================================
+    kind                  weight applied to the PPO loss (clip centred at ``proximal``)
+    ====================  =================================================================
+    none                  none
+    compis                f_s(π_prox/π_old) · f_e(π_old/μ)                  (seed 000)
+    preset (decoupled)    the preset's IS/RS of π_prox/μ: the lag and the engine mismatch
+                          (verl's decoupled mode); a bypass preset: none here — the
+                          ``bypass_mode`` loss weighs π_θ/μ itself
+    decoupled             π_prox/μ, tokens above ``behaviour_weight_cap`` masked (AReaL)
+    decoupled_mis         f_e(π_old/μ); the caller passes π_prox = π_old (seed 003 Eq. 4)
+    ====================  =================================================================
+
+    ``preset`` is the built preset config (kind ``preset`` only).
+    """
+    valid = mask.bool()
+    kind = correction.kind
+    if kind == "none" or (kind == "preset" and preset is not None and preset.bypass_mode):
+        return AppliedCorrection(None, valid.clone(), {}, False)
+    metrics: dict[str, float] = {}
+    if kind == "compis":
+        res = compute_compis_weights(proximal, old, mu, valid, CompISConfig(
+            staleness=_source(correction.staleness), engine=_source(correction.engine)))
+        weights, keep = res.weight, res.keep_mask
+        rejects = correction.engine.method in ("cap", "icepop")
+    elif kind == "decoupled_mis":
+        res1 = compute_is_correction(old, mu, valid, _source(correction.engine))
+        weights, keep = res1.weight, res1.keep_mask
+        rejects = correction.engine.method in ("cap", "icepop")
+    elif kind == "decoupled":
+        cap = correction.behaviour_weight_cap
+        method = SourceCorrection("none") if cap is None else SourceCorrection("cap", upper=cap)
+        res1 = compute_is_correction(proximal, mu, valid, method, prefix="is/combined/")
+        weights, keep = res1.weight, res1.keep_mask
+        metrics.update(res1.metrics)
+        rejects = cap is not None
+    elif kind == "preset":
+        assert preset is not None
+        weights, keep, metrics = compute_rollout_correction_and_rejection_mask(
+            proximal, mu, valid, preset)
+        rejects = preset.rollout_rs is not None or preset.uses_icepop
+    else:
+        raise ValueError(f"unknown correction kind {kind!r}")
+    if weights is not None:
+        metrics.update(applied_weight_metrics(weights, keep, valid))
+    return AppliedCorrection(weights, keep, metrics, rejects)
+
+
+# ------------------------------------------------------------------------------------------------
 # Learner
 # ------------------------------------------------------------------------------------------------
 
@@ -316,7 +459,8 @@ class Learner:
         self._current_step = 0
         alg = recipe.algorithm
         self._preset: RolloutCorrectionConfig | None = (
-            PRESETS[alg.correction.name]() if alg.correction.kind == "preset" else None)
+            PRESETS[alg.correction.name](**alg.correction.args)
+            if alg.correction.kind == "preset" else None)
         self.bypass_preset = self._preset is not None and self._preset.bypass_mode
         self.old_strategy = "bypass" if self.bypass_preset else alg.old_logprob
         if alg.loss.name == "bypass_mode" and not self.bypass_preset:
@@ -507,8 +651,9 @@ class Learner:
         entropy = res.entropy if res.entropy is not None else torch.zeros_like(current)
         mu = packed.rollout_log_prob
         strategy = self.old_strategy
-        if strategy == "bypass":
-            return _Policies(current, entropy, mu, mu, {}, {})
+        reference: torch.Tensor | None = None
+        extra: dict[str, torch.Tensor] = {}
+        metrics: dict[str, float] = {}
         if strategy == "loglinear":
             # A-3PO interpolates in policy versions = trainer steps (one step may hold several
             # optimizer steps): map weight versions to steps when the caller told us how
@@ -520,18 +665,19 @@ class Learner:
                 cur_v = self._current_step
             else:
                 behav, cur_v = packed.token_versions, self.engine.weight_version
-            prox, alpha = loglinear_proximal_log_prob(
+            reference, alpha = loglinear_proximal_log_prob(
                 mu, current, behav, cur_v, packed.batch.response_mask)
             metrics = {"old/loglinear_alpha_mean":
                        float(masked_mean(alpha, packed.batch.response_mask))}
-            return _Policies(current, entropy, prox, mu, {"loglinear_alpha": alpha}, metrics)
-        if strategy == "snapshot":
-            old, fallback, metrics = self._snapshot_old(packed, current)
-            return _Policies(current, entropy, current, old,
-                             {"snapshot_fallback_mask": fallback}, metrics)
-        if strategy == "ewma":
-            return _Policies(current, entropy, current, self._ewma_old(packed), {}, {})
-        return _Policies(current, entropy, current, current, {}, {})  # recompute
+            extra = {"loglinear_alpha": alpha}
+        elif strategy == "snapshot":
+            reference, fallback, metrics = self._snapshot_old(packed, current)
+            extra = {"snapshot_fallback_mask": fallback}
+        elif strategy == "ewma":
+            reference = self._ewma_old(packed)
+        prox, old = proximal_and_old(strategy, self.recipe.algorithm.correction.kind, current,
+                                     mu, reference)
+        return _Policies(current, entropy, prox, old, extra, metrics)
 
     def _snapshot_old(self, packed: _Packed, current: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -601,11 +747,10 @@ class Learner:
         return res.log_probs
 
     def _update_ewma(self, correction_metrics: Mapping[str, float]) -> dict[str, float]:
-        """ref ← β·ref + (1−β)·θ_new, or a reset (by interval, or by the engine-mask rate)."""
+        """ref ← β·ref + (1−β)·θ_new, or a reset (by interval, or by the train–inference mask
+        rate ``old/ewma_mask_frac`` that :meth:`_correct` measured with the current reference)."""
         assert self.ewma_config is not None
-        mask_frac = next((correction_metrics[k] for k in (
-            "is/engine/mask_frac", "rollout_corr/rollout_rs_masked_fraction",
-            "rollout_corr/rollout_is_oob_ratio") if k in correction_metrics), None)
+        mask_frac = correction_metrics.get("old/ewma_mask_frac")
         self.ewma_state = self._ewma_step(self.ewma_state, mask_frac)
         return self._ewma_metrics()
 
@@ -646,44 +791,21 @@ class Learner:
     # --- correction -----------------------------------------------------------------------------
     def _loss_config(self, rollout_correction: RolloutCorrectionConfig | None = None
                      ) -> PolicyLossConfig:
-        loss = self.recipe.algorithm.loss
-        return PolicyLossConfig(loss_agg_mode=loss.agg, clip_ratio=loss.clip_ratio,
-                                clip_ratio_low=loss.clip_ratio_low,
-                                clip_ratio_high=loss.clip_ratio_high,
-                                clip_ratio_c=loss.clip_ratio_c,
-                                rollout_correction=rollout_correction)
+        return policy_loss_config(self.recipe, rollout_correction)
 
     def _correct(self, packed: _Packed, p: _Policies, advantages: torch.Tensor) -> _Correction:
-        """IS weights and kept tokens of ``algorithm.correction``, then M2PO / OPSM."""
+        """IS weights and kept tokens of ``algorithm.correction`` (:func:`apply_correction`),
+        then M2PO / OPSM; with ``ewma``, ``old/ewma_mask_frac`` for the reference's reset."""
         alg = self.recipe.algorithm
         mask = packed.batch.response_mask
         mu = packed.rollout_log_prob
-        corr = alg.correction
         loss_name, loss_cfg = alg.loss.name, self._loss_config()
-        weights: torch.Tensor | None = None
-        keep = mask.clone()
-        metrics: dict[str, float] = {}
-        if corr.kind == "compis":
-            cfg = CompISConfig(staleness=SourceCorrection(corr.staleness.method,
-                                                          corr.staleness.lower,
-                                                          corr.staleness.upper),
-                               engine=SourceCorrection(corr.engine.method, corr.engine.lower,
-                                                       corr.engine.upper))
-            res = compute_compis_weights(p.proximal, p.old, mu, mask, cfg)
-            weights, keep, metrics = res.weight, res.keep_mask, dict(res.metrics)
-        elif corr.kind == "preset":
-            assert self._preset is not None
-            if self.bypass_preset:  # the bypass_mode loss computes IS/RS between π_θ and μ
-                loss_name, loss_cfg = "bypass_mode", self._loss_config(self._preset)
-            else:
-                weights, keep, metrics = compute_rollout_correction_and_rejection_mask(
-                    p.old, mu, mask, self._preset)
-        elif corr.kind == "decoupled":
-            cap = corr.behaviour_weight_cap
-            method = SourceCorrection("none") if cap is None else SourceCorrection("cap",
-                                                                                  upper=cap)
-            res = compute_is_correction(p.proximal, mu, mask, method, prefix="is/staleness/")
-            weights, keep, metrics = res.weight, res.keep_mask, dict(res.metrics)
+        if self.bypass_preset:  # the bypass_mode loss computes IS/RS between π_θ and μ
+            loss_name, loss_cfg = "bypass_mode", self._loss_config(self._preset)
+        applied = apply_correction(alg.correction, self._preset, p.proximal, p.old, mu, mask)
+        weights, keep, metrics = applied.weights, applied.keep, dict(applied.metrics)
+        if self.ewma_config is not None:
+            metrics["old/ewma_mask_frac"] = self._ewma_mask_frac(applied, p.old, mu, mask)
         if alg.m2po is not None:
             m2 = m2po_mask(p.proximal, mu, keep, alg.m2po.threshold, alg.m2po.max_cutoff)
             keep = keep & m2.keep_mask
@@ -694,6 +816,17 @@ class Learner:
             metrics.update(op.metrics)
         metrics["rs/keep_frac"] = int(keep.sum()) / max(int(mask.sum()), 1)
         return _Correction(weights, keep, loss_name, loss_cfg, metrics)
+
+    @staticmethod
+    def _ewma_mask_frac(applied: AppliedCorrection, old: torch.Tensor, mu: torch.Tensor,
+                        mask: torch.Tensor) -> float:
+        """The train–inference mask rate that resets the EWMA reference (seed 003 §5.2): the
+        correction's own rejections (π_prox = π_old = the reference under ewma); when it has no
+        mask, the fraction of π_old/μ outside the default IcePop band [0.5, 5]."""
+        if applied.engine_rejects:
+            return applied_weight_metrics(applied.weights, applied.keep, mask,
+                                          prefix="")["mask_frac"]
+        return compute_is_correction(old, mu, mask, "icepop").metrics["mask_frac"]
 
     # --- training -------------------------------------------------------------------------------
     def _train(self, packed: _Packed, proximal: torch.Tensor, advantages: torch.Tensor,

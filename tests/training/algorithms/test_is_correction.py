@@ -11,6 +11,7 @@ from training.algorithms.is_correction import (
     CompISConfig,
     EWMAConfig,
     SourceCorrection,
+    applied_weight_metrics,
     compis_policy_loss,
     compute_compis_weights,
     compute_is_correction,
@@ -129,6 +130,36 @@ def test_compis_weights_multiply_sources():
     assert w.metrics["is/combined/mask_frac"] == pytest.approx(2 / 3)
 
 
+def test_compis_default_is_seed_000s_cap_without_engine_correction():
+    """Seed 000's default CompIS: staleness cap 5, the engine ratio measured but not corrected
+    (the IcePop band of its "Fix 2" is opt-in)."""
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    rollout = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
+    old = rollout + torch.log(torch.tensor([[1.5, 0.1, 8.0]], dtype=torch.float64))
+    prox = old + torch.log(torch.tensor([[2.0, 1.0, 6.0]], dtype=torch.float64))
+    default = CompISConfig()
+    assert default.staleness.method == "cap" and default.staleness.bounds() == (None, 5.0)
+    assert default.engine == SourceCorrection("none")
+    w = compute_compis_weights(prox, old, rollout, valid)
+    # engine ratios 0.1 and 8 (outside [0.5, 5]) are kept; the staleness cap rejects 6
+    assert_close(w.weight, torch.tensor([[3.0, 0.1, 0.0]], dtype=torch.float64))
+    assert w.metrics["is/engine/mask_frac"] == 0.0
+    assert w.metrics["is/combined/mask_frac"] == pytest.approx(1 / 3)
+    assert w.metrics["is/combined/weight_mean"] == pytest.approx(3.1 / 3)
+
+
+def test_applied_weight_metrics_count_zero_weights_as_rejected():
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    keep = torch.tensor([[1, 1, 0, 0]], dtype=torch.bool)
+    weight = torch.tensor([[2.0, 0.0, 0.0, 0.0]])  # an IcePop band zeroes token 1, RS drops 2
+    m = applied_weight_metrics(weight, keep, mask)
+    assert m == {"is/combined/weight_mean": pytest.approx(2 / 3),
+                 "is/combined/ess": pytest.approx(1 / 3),
+                 "is/combined/mask_frac": pytest.approx(2 / 3)}
+    assert applied_weight_metrics(None, keep, mask, prefix="")["weight_mean"] == \
+        pytest.approx(2 / 3)
+
+
 def test_compis_loss_equals_ppo_times_weights():
     # One token, A = 1, r1 = 1.1 (inside 1 ± 0.2), f_s = 1.2 (cap 5), f_e = 0.9 (icepop band)
     rollout = torch.tensor([[-2.0]], dtype=torch.float64)
@@ -155,7 +186,7 @@ def test_decoupled_ppo_caps_behaviour_weight():
     loss, m = decoupled_ppo_loss(cur, prox, behav, adv, torch.ones(1, 2))
     # token 1 (weight 6 > cap 5) is masked; token 0: -(r=1)·A·2 over 1 kept token
     assert loss.item() == pytest.approx(-2.0)
-    assert m["is/staleness/mask_frac"] == pytest.approx(0.5)
+    assert m["is/combined/mask_frac"] == pytest.approx(0.5)
 
 
 def test_loglinear_proximal_interpolation():
