@@ -49,8 +49,8 @@ from pathlib import Path
 
 STEP_COLUMNS = (
     ("rollout/reward_mean", "reward"),
-    ("mismatch/logprob_abs_diff/mean", "|Δlogp| mean"),
-    ("mismatch/logprob_abs_diff/p99", "|Δlogp| p99"),
+    ("mismatch/train_rollout/logprob_abs_diff/mean", "|Δlogp| mean"),
+    ("mismatch/train_rollout/logprob_abs_diff/p99", "|Δlogp| p99"),
     ("async/staleness/mean", "staleness"),
     ("async/weight_sync_s", "weight sync s"),
     ("async/tokens_per_s", "tokens/s"),
@@ -178,7 +178,7 @@ def report(result, wall_s: float) -> int:
     problems = []
     if result.steps_done < len(rows) or any(r.get("async/batch_rejected") for r in rows):
         problems.append("a batch was rejected")
-    worst = max((r.get("mismatch/logprob_abs_diff/mean") or 0.0) for r in rows)
+    worst = max((r.get("mismatch/train_rollout/logprob_abs_diff/mean") or 0.0) for r in rows)
     if worst > MISMATCH_LIMIT:
         problems.append(f"|Δlogp| mean reached {worst:.3f} > {MISMATCH_LIMIT}")
     versions = [r.get("step/weight_version") for r in rows]

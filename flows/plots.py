@@ -106,12 +106,17 @@ def _numbered(metrics: Mapping[str, Series], prefix: str) -> list[tuple[int, str
 
 
 def _logprob_diff(m: Mapping[str, Series], out: Path) -> Path | None:
-    base = "mismatch/logprob_abs_diff/"
+    # train_rollout (π_current vs μ: staleness + engine, seed 000's headline) beside the engine
+    # source alone (π_old vs μ): the gap between the two lines is the staleness
+    base, engine = "mismatch/train_rollout/logprob_abs_diff/", "mismatch/engine/logprob_abs_diff/"
     return _lines(out / "logprob_diff.png", "Trainer vs rollout engine: |Δ log p| per token",
                   "|log p_train − log p_rollout|", [
-                      ("mean", m.get(base + "mean"), {"lw": 2}),
-                      ("p99", m.get(base + "p99"), {"lw": 1, "ls": "--"}),
-                      ("max", m.get(base + "max"), {"lw": 1, "ls": ":"}),
+                      ("train–rollout mean", m.get(base + "mean"), {"lw": 2, "color": "C0"}),
+                      ("train–rollout p99", m.get(base + "p99"),
+                       {"lw": 1, "ls": "--", "color": "C0"}),
+                      ("train–rollout max", m.get(base + "max"),
+                       {"lw": 1, "ls": ":", "color": "C0"}),
+                      ("engine mean", m.get(engine + "mean"), {"lw": 2, "color": "C1"}),
                   ], log_y=True)
 
 

@@ -491,7 +491,8 @@ def train(
                   f"{escape(str(run_dir))}")
     sinks = [ConsoleSink(every=1)] if verbose else []
     shown = {"reward": "—", "logprob_diff": "—", "staleness": "—"}
-    keys = {"reward": "rollout/reward_mean", "logprob_diff": "mismatch/logprob_abs_diff/mean",
+    keys = {"reward": "rollout/reward_mean",
+            "logprob_diff": "mismatch/train_rollout/logprob_abs_diff/mean",
             "staleness": "async/staleness/mean"}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("reward {task.fields[reward]}"),

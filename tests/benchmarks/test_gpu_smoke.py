@@ -57,7 +57,7 @@ def _result(tmp_path: Path, rows: list[dict]) -> RunResult:
                      trainer_checkpoint=tmp_path / "ckpt", steps_done=len(rows))
 
 
-GOOD = {"mismatch/logprob_abs_diff/mean": 0.012, "async/batch_rejected": 0.0,
+GOOD = {"mismatch/train_rollout/logprob_abs_diff/mean": 0.012, "async/batch_rejected": 0.0,
         "async/rollouter/sample_retries": 0.0}
 
 
@@ -70,7 +70,8 @@ def test_verdict_ok(smoke, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"mismatch/logprob_abs_diff/mean": 0.2}, "|Δlogp| mean reached 0.200 > 0.1"),
+    ({"mismatch/train_rollout/logprob_abs_diff/mean": 0.2},
+     "|Δlogp| mean reached 0.200 > 0.1"),
     ({"async/rollouter/sample_retries": 4.0}, "4 samples were generated again"),
     ({"async/partial_samples": 5.0}, "15 trained samples spanned a sync but only 2 requests"),
 ])

@@ -15,9 +15,10 @@ def _history(steps=30, *, with_is=True, reward_shift=0.0):
     for s in range(steps):
         row = {
             "step": s, "time": float(s + 1),
-            "mismatch/logprob_abs_diff/mean": 0.005 * (1 + 0.1 * s),
-            "mismatch/logprob_abs_diff/p99": 0.1 + 0.01 * s,
-            "mismatch/logprob_abs_diff/max": 0.5 + 0.1 * math.sin(s),
+            "mismatch/train_rollout/logprob_abs_diff/mean": 0.005 * (1 + 0.1 * s),
+            "mismatch/train_rollout/logprob_abs_diff/p99": 0.1 + 0.01 * s,
+            "mismatch/train_rollout/logprob_abs_diff/max": 0.5 + 0.1 * math.sin(s),
+            "mismatch/engine/logprob_abs_diff/mean": 0.004,
             "policy/entropy/mean": 0.6 - 0.01 * s,
             "policy/entropy/p90": 1.2 - 0.01 * s,
             "rollout/reward_mean": 0.2 + 0.015 * s + reward_shift,

@@ -137,7 +137,7 @@ def fake_runtime(monkeypatch):
         sink = MultiSink([JsonlSink(metrics_path), *sinks])
         for step in range(1, done + 1):
             metrics = {"rollout/reward_mean": 0.5 + 0.1 * step,
-                       "mismatch/logprob_abs_diff/mean": 0.0061,
+                       "mismatch/train_rollout/logprob_abs_diff/mean": 0.0061,
                        "async/staleness/mean": 0.8}
             sink.log(step, metrics)
             progress(step, total, metrics)

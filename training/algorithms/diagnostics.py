@@ -1,27 +1,60 @@
 """Train–rollout mismatch diagnostics (seed 001 "Identifying mismatch"; seed 000 "Diagnostic
 signals").
 
-All names live in DESIGN.md's flat namespace and are the names gates and dashboards read
-(``{tails}`` = ``{mean,p50,p90,p99,max}``):
+:func:`compute_mismatch_metrics` compares one training-side log-prob with the rollout engine's (μ)
+on the sampled tokens and names every statistic under a caller-chosen ``prefix`` (``{tails}`` =
+``{mean,p50,p90,p99,max}``):
 
-    mismatch/logprob_abs_diff/{tails}        E|log π_old − log μ|  (slime's headline metric)
-    mismatch/logprob_diff                    E[log π_old − log μ]  (signed)
-    mismatch/kl_k1                           E[log μ − log π_old]  ≈ KL(μ ‖ π_old)
-    mismatch/kl_k3                           E[ρ − log ρ − 1],  ρ = π_old/μ
-    mismatch/kl_k3_token/{tails}
-    mismatch/chi2_token                      E[ρ²] − 1
-    mismatch/chi2_seq                        E[(Π_t ρ_t)²] − 1  (sequence log-ratio clamped ±20)
-    mismatch/ratio/{tails}                   ρ over valid tokens
-    mismatch/ppl_train, mismatch/ppl_rollout per-sequence perplexity, mean over sequences
-    mismatch/ppl_gap, mismatch/ppl_ratio     PPL_old − PPL_rollout, PPL_old / PPL_rollout
-    mismatch/probs_pearson                   Pearson correlation of token probabilities
-    mismatch/probs_abs_diff/{tails}          |π_old − μ| on the sampled tokens
-    mismatch/logprob_abs_diff_high_entropy/mean   tokens with entropy > 0.1 (entropy given)
+    <prefix>logprob_abs_diff/{tails}         |log π − log μ| over valid tokens (slime's headline)
+    <prefix>logprob_abs_diff_seq/{tails}     per-sequence token mean of |log π − log μ|, over
+                                             sequences with a valid token (a few bad sequences
+                                             hide in the token mean; seed 000: check the tails)
+    <prefix>logprob_diff                     E[log π − log μ]  (signed)
+    <prefix>kl_k1                            E[log μ − log π]  ≈ KL(μ ‖ π)
+    <prefix>kl_k3                            E[ρ − log ρ − 1],  ρ = π/μ
+    <prefix>kl_k3_token/{tails}
+    <prefix>chi2_token                       E[ρ²] − 1
+    <prefix>chi2_seq                         E[(Π_t ρ_t)²] − 1  (sequence log-ratio clamped ±20)
+    <prefix>ratio/{tails}                    ρ over valid tokens
+    <prefix>ppl_train, <prefix>ppl_rollout   per-sequence perplexity, mean over sequences
+    <prefix>ppl_gap, <prefix>ppl_ratio       PPL_train − PPL_rollout, PPL_train / PPL_rollout
+    <prefix>probs_pearson                    Pearson correlation of token probabilities
+    <prefix>probs_abs_diff/{tails}           |π − μ| on the sampled tokens
+    <prefix>logprob_abs_diff_high_entropy/mean   tokens with entropy > 0.1 (entropy given)
     policy/entropy/{tails}                   (when entropy is given)
 
-Every statistic is over valid tokens only. ``train_log_prob`` is whichever training-side log-prob
-is compared with the rollout engine: π_old in decoupled mode (same weights, so the gap is pure
-engine mismatch), the current policy in bypass mode.
+The learner calls it twice per step (issue 14; the bare ``mismatch/<stat>`` names of earlier
+releases were renamed to these two families, not aliased):
+
+* ``mismatch/train_rollout/*`` — π_current (the trainer at the weights the step starts from) vs μ:
+  seed 000's "train-rollout logprob absolute difference", so it holds staleness *and* engine
+  mismatch. Headline key ``mismatch/train_rollout/logprob_abs_diff/mean``.
+* ``mismatch/engine/*`` — π_old (the trainer at the behaviour version) vs μ, plus
+  ``mismatch/engine/exact`` (1.0 when π_old is the exact behaviour version on every loss token).
+  What π_old is, and so what this family measures, depends on ``algorithm.old_logprob``:
+
+  ==========  ============================  =================================================
+  strategy    π_old                         ``mismatch/engine/*`` measures
+  ==========  ============================  =================================================
+  recompute   π_current                     the same as train_rollout (staleness + engine in
+                                            one number; exact only when every token is of the
+                                            current version, e.g. sync)
+  snapshot    each token's own version      pure engine mismatch (exact unless a version was
+                                            evicted: ``old/snapshot_fallback_frac``)
+  ewma        the EWMA reference            engine mismatch + the EWMA's distance from the
+                                            behaviour versions (never exact)
+  loglinear   μ                             nothing: π_old ≡ μ, every statistic is "no gap"
+  bypass      μ                             nothing: π_old ≡ μ, every statistic is "no gap"
+  ==========  ============================  =================================================
+
+  Under loglinear and bypass the engine gap is unmeasured; read train_rollout.
+
+The zero-staleness check (:mod:`training.engines.mismatch`) has no staleness, so it reports its
+gap under ``mismatch/engine/*``.
+
+:func:`variance_proxy_metrics` gives seed 001's gradient-variance proxies
+(``policy/proxy1_signal_strength``, ``policy/proxy2_total_power``, ``policy/proxy3_pure_noise``)
+with verl's definitions.
 """
 
 from __future__ import annotations
@@ -72,16 +105,18 @@ def compute_mismatch_metrics(
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     entropy: torch.Tensor | None = None,
-    prefix: str = "mismatch/",
+    *,
+    prefix: str,
 ) -> dict[str, float]:
     """Training-engine vs rollout-engine agreement on the sampled tokens.
 
     Args:
-        train_log_prob: (B, T) training-engine log-probs (π_old).
+        train_log_prob: (B, T) training-engine log-probs (π_current or π_old).
         rollout_log_prob: (B, T) rollout-engine log-probs (μ), same tokens.
         response_mask: (B, T).
         entropy: optional (B, T) training-side token entropy.
-        prefix: metric namespace (default ``mismatch/``).
+        prefix: metric namespace, e.g. ``mismatch/train_rollout/`` or ``mismatch/engine/``
+            (required: the two comparisons must never share names).
     Returns:
         dict of floats, keys listed in the module docstring.
     """
@@ -95,6 +130,9 @@ def compute_mismatch_metrics(
 
     m: dict[str, float] = {}
     m.update(tail_stats(abs_diff, valid, prefix=f"{prefix}logprob_abs_diff/"))
+    has_tokens = valid.any(dim=-1)
+    m.update(tail_stats(masked_mean(abs_diff, valid, dim=-1), has_tokens,
+                        prefix=f"{prefix}logprob_abs_diff_seq/"))
     m[f"{prefix}logprob_diff"] = masked_mean(log_ratio, valid).item()
     m[f"{prefix}kl_k1"] = masked_mean(-log_ratio, valid).item()
     m[f"{prefix}kl_k3"] = masked_mean(k3, valid).item()
@@ -106,7 +144,6 @@ def compute_mismatch_metrics(
         else 0.0
     m.update(tail_stats(ratio, valid, prefix=f"{prefix}ratio/"))
 
-    has_tokens = valid.any(dim=-1)
     seq_log_ratio = masked_sum(log_ratio, valid, dim=-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     m[f"{prefix}chi2_seq"] = (
         (masked_mean(torch.exp(2.0 * seq_log_ratio), has_tokens) - 1.0).item() if any_valid
@@ -148,12 +185,68 @@ def compute_off_policy_diagnostics(
 ) -> dict[str, float]:
     """Everything one decoupled train step can measure before the loss.
 
-    Engine mismatch (π_old vs μ) under ``mismatch/*``; per-source IS weight statistics of CompIS
-    under ``is/staleness/*`` and ``is/engine/*``; M2PO's second-moment percentiles of the full
-    behaviour gap (π_prox vs μ) under ``rs/m2po/*`` (the mask itself is not applied here).
+    π_prox vs μ under ``mismatch/train_rollout/*`` (π_prox is π_current under recompute and
+    snapshot), engine mismatch (π_old vs μ) under ``mismatch/engine/*``; per-source IS weight
+    statistics of CompIS under ``is/staleness/*`` and ``is/engine/*``; M2PO's second-moment
+    percentiles of the full behaviour gap (π_prox vs μ) under ``rs/m2po/*`` (the mask itself is
+    not applied here).
     """
-    metrics = compute_mismatch_metrics(old_log_prob, rollout_log_prob, response_mask, entropy)
+    metrics = compute_mismatch_metrics(proximal_log_prob, rollout_log_prob, response_mask,
+                                       entropy, prefix="mismatch/train_rollout/")
+    metrics.update(compute_mismatch_metrics(old_log_prob, rollout_log_prob, response_mask,
+                                            prefix="mismatch/engine/"))
     metrics.update(compute_compis_weights(proximal_log_prob, old_log_prob, rollout_log_prob,
                                           response_mask, compis).metrics)
     metrics.update(m2po_mask(proximal_log_prob, rollout_log_prob, response_mask).metrics)
     return metrics
+
+
+def variance_proxy_metrics(
+    log_prob: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    signal_strength: float,
+    sequences_per_minibatch: float,
+    is_weights: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Seed 001's gradient-variance proxies, as verl's ``compute_variance_proxy_metrics``.
+
+    With π the policy the tokens are scored under, per sequence i over its valid tokens:
+    W_i = max(0, Σ_t [1 − 2 π_t(y_t) + Σ_v π_v²]) (the squared score norm ‖e_y − π‖² summed),
+    Ā_i = token mean of the advantages, ρ̄_i = token mean of the IS weights (1 without weights).
+
+        policy/proxy1_signal_strength = ``signal_strength`` (‖ḡ‖²: mean over the step's optimizer
+                                        steps of the pre-clip gradient norm squared)
+        policy/proxy2_total_power     = mean over all B sequences of ρ̄_i² Ā_i² W_i
+        policy/proxy3_pure_noise      = max(0, (proxy2 − proxy1) / (N − 1)), N =
+                                        ``sequences_per_minibatch`` (0 when N ≤ 1)
+
+    Args:
+        log_prob: (B, T) log π(y_t) (the learner passes π_current).
+        sum_pi_squared: (B, T) Σ_v π_v² of the same distribution.
+        advantages: (B, T).
+        response_mask: (B, T) the tokens trained on.
+        signal_strength: proxy1.
+        sequences_per_minibatch: N, sequences per optimizer step's gradient.
+        is_weights: (B, T) IS weights applied in the loss, or None.
+    """
+    valid = as_bool_mask(response_mask)
+    lp = sanitize(log_prob, valid).detach().to(torch.float64)
+    s2 = sanitize(sum_pi_squared, valid).detach().to(torch.float64)
+    w_tok = sanitize(1.0 - 2.0 * lp.exp() + s2, valid)
+    w_seq = masked_sum(w_tok, valid, dim=-1).clamp(min=0.0)
+    a_bar = masked_mean(sanitize(advantages, valid).detach().to(torch.float64), valid, dim=-1)
+    if is_weights is None:
+        rho_bar = torch.ones_like(a_bar)
+    else:
+        rho_bar = masked_mean(sanitize(is_weights, valid).detach().to(torch.float64), valid,
+                              dim=-1)
+    proxy2 = float((rho_bar ** 2 * a_bar ** 2 * w_seq).mean()) if w_seq.numel() else 0.0
+    proxy1 = float(signal_strength)
+    n = float(sequences_per_minibatch)
+    proxy3 = max(0.0, (proxy2 - proxy1) / (n - 1.0)) if n > 1.0 else 0.0
+    return {"policy/proxy1_signal_strength": proxy1,
+            "policy/proxy2_total_power": proxy2,
+            "policy/proxy3_pure_noise": proxy3}

@@ -4,8 +4,10 @@ run).
 Same weights, same prompts: the rollout engine samples responses and reports the log-prob of every
 sampled token; the train engine recomputes those log-probs in fp32. Their gap is pure engine
 mismatch (precision, kernels, MoE routing flips) — no policy has moved. The report holds seed 001's
-metrics (``mismatch/*``), the MoE routing flip rate, the same gap with the rollout's routes
-replayed (R3), and the decision tree's verdict (cause A, or no meaningful drift).
+metrics under the learner's engine family (``mismatch/engine/*``, with ``mismatch/engine/exact`` =
+1: the trainer runs the very weights the rollout used), the MoE routing flip rate, the same gap
+with the rollout's routes replayed (R3), and the decision tree's verdict (cause A, or no
+meaningful drift).
 """
 
 from __future__ import annotations
@@ -24,19 +26,20 @@ from training.engines.hf_io import CheckpointError, load_hf_dir, read_meta
 
 # The rows of the printed table, in order: (metric key, label).
 TABLE_ROWS: tuple[tuple[str, str], ...] = (
-    ("mismatch/logprob_abs_diff/mean", "|Δlogp| mean"),
-    ("mismatch/logprob_abs_diff/p50", "|Δlogp| p50"),
-    ("mismatch/logprob_abs_diff/p90", "|Δlogp| p90"),
-    ("mismatch/logprob_abs_diff/p99", "|Δlogp| p99"),
-    ("mismatch/logprob_abs_diff/max", "|Δlogp| max"),
-    ("mismatch/logprob_abs_diff_high_entropy/mean", "|Δlogp| mean, entropy > 0.1"),
-    ("mismatch/kl_k1", "KL k1"),
-    ("mismatch/kl_k3", "KL k3"),
-    ("mismatch/chi2_token", "χ² token"),
-    ("mismatch/chi2_seq", "χ² sequence"),
-    ("mismatch/ppl_ratio", "PPL ratio (train / rollout)"),
-    ("mismatch/probs_pearson", "Pearson of probs"),
-    ("mismatch/probs_abs_diff/max", "probs diff max"),
+    ("mismatch/engine/logprob_abs_diff/mean", "|Δlogp| mean"),
+    ("mismatch/engine/logprob_abs_diff/p50", "|Δlogp| p50"),
+    ("mismatch/engine/logprob_abs_diff/p90", "|Δlogp| p90"),
+    ("mismatch/engine/logprob_abs_diff/p99", "|Δlogp| p99"),
+    ("mismatch/engine/logprob_abs_diff/max", "|Δlogp| max"),
+    ("mismatch/engine/logprob_abs_diff_seq/max", "|Δlogp| worst sequence mean"),
+    ("mismatch/engine/logprob_abs_diff_high_entropy/mean", "|Δlogp| mean, entropy > 0.1"),
+    ("mismatch/engine/kl_k1", "KL k1"),
+    ("mismatch/engine/kl_k3", "KL k3"),
+    ("mismatch/engine/chi2_token", "χ² token"),
+    ("mismatch/engine/chi2_seq", "χ² sequence"),
+    ("mismatch/engine/ppl_ratio", "PPL ratio (train / rollout)"),
+    ("mismatch/engine/probs_pearson", "Pearson of probs"),
+    ("mismatch/engine/probs_abs_diff/max", "probs diff max"),
     ("moe/routing_flip_rate", "MoE routing flip rate"),
     ("mismatch/r3/logprob_abs_diff/mean", "|Δlogp| mean with R3 replay"),
 )
@@ -200,7 +203,9 @@ def run_mismatch_check(
         if r.output_logprobs:
             rollout_lp[i, : len(r.output_logprobs)] = torch.tensor(r.output_logprobs)
     mask = batch.response_mask
-    metrics = compute_mismatch_metrics(free.log_probs, rollout_lp, mask, entropy=free.entropy)
+    metrics = compute_mismatch_metrics(free.log_probs, rollout_lp, mask, entropy=free.entropy,
+                                       prefix="mismatch/engine/")
+    metrics["mismatch/engine/exact"] = 1.0  # same checkpoint on both sides
     if is_moe:
         flip = routing_flip_rate([r.routed_experts for r in results], list(free.routes or []))
         if flip is not None:

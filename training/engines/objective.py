@@ -4,10 +4,10 @@ A backend supplies the model forward (response log-probs and entropy of some row
 gradient) and the optimizer; this module supplies everything in between, so the embedded and the
 Megatron engines compute *the same* loss, gradient accumulation and metrics from the same code:
 
-* :func:`response_log_probs` — per-token log-probs and entropy of the response tokens from a
-  forward's logits (the sampled token under ``softmax(logits / temperature)``, fp32);
+* :func:`response_log_probs` — per-token log-probs, entropy and Σ_v π_v² of the response tokens
+  from a forward's logits (the sampled token under ``softmax(logits / temperature)``, fp32);
 * :func:`micro_batch_log_probs` — the micro-batch loop of ``compute_log_probs`` (log-probs,
-  entropy and routes of every row, gathered into one :class:`LogProbResult`);
+  entropy, Σ_v π_v² and routes of every row, gathered into one :class:`LogProbResult`);
 * :func:`check_train_inputs` and :class:`PolicyObjective` — the policy loss of
   :mod:`training.algorithms.policy_loss` (with IS weights and the optional entropy bonus) on the
   rows of one micro-batch;
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +40,7 @@ from training.engines.train import (
 __all__ = [
     "Accumulated",
     "PolicyObjective",
+    "ResponseLogProbs",
     "accumulate_gradients",
     "check_train_inputs",
     "log_probs_per_token_version",
@@ -50,14 +52,25 @@ __all__ = [
 
 # forward(rows, grad) -> (log_probs (b, T), entropy (b, T)) of batch.select(rows)
 ForwardFn = Callable[[slice, bool], tuple[torch.Tensor, torch.Tensor]]
-# forward(rows) -> (log_probs (b, T), entropy (b, T) or None, per-sequence routes or None)
+# forward(rows) -> (log_probs (b, T), entropy (b, T) or None, Σ_v π_v² (b, T) or None,
+#                   per-sequence routes or None)
 LogProbForwardFn = Callable[
-    [slice], tuple[torch.Tensor, torch.Tensor | None, Sequence[torch.Tensor] | None]]
+    [slice], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                   Sequence[torch.Tensor] | None]]
+
+
+class ResponseLogProbs(NamedTuple):
+    """What :func:`response_log_probs` returns: (b, T) fp32 tensors, 0 where j ≥ O_b."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    sum_pi_squared: torch.Tensor | None
 
 
 def response_log_probs(logits: torch.Tensor, batch: TokenBatch, temperature: float,
-                       with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs and entropy of ``batch``'s response tokens from the logits of its forward.
+                       with_entropy: bool, with_sum_pi_squared: bool = False
+                       ) -> ResponseLogProbs:
+    """Log-probs, entropy and Σ_v π_v² of ``batch``'s response tokens from its forward's logits.
 
     Args:
         logits: (b, S', V) logits of the b rows of ``batch`` for positions 0..S'−1 (S' ≥ the
@@ -65,8 +78,11 @@ def response_log_probs(logits: torch.Tensor, batch: TokenBatch, temperature: flo
         batch: the rows that were forwarded.
         temperature: the rollout's sampling temperature (> 0).
         with_entropy: also compute the entropy.
+        with_sum_pi_squared: also compute Σ_v softmax(z)_v² per position (the ``Σπ²`` of verl's
+            score-norm proxy W = Σ_t [1 − 2 π_t(y_t) + Σ_v π_v²]); detached, from the softmax
+            the entropy uses.
     Returns:
-        (log_probs (b, T), entropy (b, T) or None), fp32, 0 where j ≥ O_b.
+        :class:`ResponseLogProbs` (log_probs, entropy or None, sum_pi_squared or None).
     """
     device = logits.device
     valid = batch.valid_response_mask.to(device)
@@ -79,12 +95,17 @@ def response_log_probs(logits: torch.Tensor, batch: TokenBatch, temperature: flo
     targets = batch.responses.to(device)
     lp = log_probs_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     lp = torch.where(valid, lp, torch.zeros_like(lp))
-    entropy = None
+    entropy = sum_sq = None
+    probs = torch.softmax(z, dim=-1) if with_entropy or with_sum_pi_squared else None
     if with_entropy:
         # H = logsumexp(z) − Σ_v softmax(z)_v z_v  (finite even where a probability underflows)
-        ent = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ent = torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
         entropy = torch.where(valid, ent, torch.zeros_like(ent))
-    return lp, entropy
+    if with_sum_pi_squared:
+        p = probs.detach()
+        sq = (p * p).sum(-1)
+        sum_sq = torch.where(valid, sq, torch.zeros_like(sq))
+    return ResponseLogProbs(lp, entropy, sum_sq)
 
 
 def log_probs_per_token_version(compute: Callable[..., LogProbResult], batch: TokenBatch,
@@ -108,6 +129,7 @@ def log_probs_per_token_version(compute: Callable[..., LogProbResult], batch: To
     versions = torch.where(valid, versions.to(torch.long), torch.zeros(shape, dtype=torch.long))
     lp = torch.zeros(shape)
     ent = torch.zeros(shape) if with_entropy else None
+    sum_sq: torch.Tensor | None = torch.zeros(shape) if with_entropy else None
     for v in sorted(set(versions[valid].tolist())):
         hit = valid & (versions == v)
         rows = hit.any(dim=1).nonzero().reshape(-1)
@@ -116,8 +138,13 @@ def log_probs_per_token_version(compute: Callable[..., LogProbResult], batch: To
         lp[rows] = torch.where(sel, res.log_probs, lp[rows])
         if ent is not None and res.entropy is not None:
             ent[rows] = torch.where(sel, res.entropy, ent[rows])
+        if sum_sq is not None:
+            if res.sum_pi_squared is None:
+                sum_sq = None
+            else:
+                sum_sq[rows] = torch.where(sel, res.sum_pi_squared, sum_sq[rows])
     return LogProbResult(log_probs=lp, entropy=ent, routes=None, weight_version=None,
-                         token_versions=versions)
+                         token_versions=versions, sum_pi_squared=sum_sq)
 
 
 def micro_batch_log_probs(forward: LogProbForwardFn, batch: TokenBatch, *,
@@ -126,23 +153,29 @@ def micro_batch_log_probs(forward: LogProbForwardFn, batch: TokenBatch, *,
     """Run ``forward`` over the micro-batches of ``batch`` and gather one result.
 
     Args:
-        forward: ``forward(rows)`` → log-probs (b, T), entropy (b, T) or None, and the
-            per-sequence routes (or None) of ``batch.select(rows)``; the caller sets the grad
-            mode and the model's train / eval mode.
+        forward: ``forward(rows)`` → log-probs (b, T), entropy (b, T) or None, Σ_v π_v² (b, T)
+            or None, and the per-sequence routes (or None) of ``batch.select(rows)``; the
+            caller sets the grad mode and the model's train / eval mode.
         batch: B sequences.
         micro_batch_size: rows per forward (None = all).
-        with_entropy: whether the result carries entropy.
+        with_entropy: whether the result carries entropy (and Σ_v π_v² when every forward
+            returned it).
         is_moe: whether the result carries routes (a tuple, possibly empty) or None.
         weight_version: the result's ``weight_version``.
     Returns:
         :class:`LogProbResult` with CPU (B, T) log-probs (and entropy).
     """
-    lps, ents, routes = [], [], []
+    lps, ents, sqs, routes = [], [], [], []
+    all_sq = True
     for s in micro_batch_slices(batch.batch_size, micro_batch_size):
-        lp, ent, r = forward(s)
+        lp, ent, sq, r = forward(s)
         lps.append(lp.cpu())
         if ent is not None:
             ents.append(ent.cpu())
+        if sq is None:
+            all_sq = False
+        else:
+            sqs.append(sq.cpu())
         if r is not None:
             routes.extend(r)
     t = batch.response_len
@@ -151,6 +184,8 @@ def micro_batch_log_probs(forward: LogProbForwardFn, batch: TokenBatch, *,
         entropy=(torch.cat(ents) if ents else torch.zeros(0, t)) if with_entropy else None,
         routes=tuple(routes) if is_moe else None,
         weight_version=weight_version,
+        sum_pi_squared=(torch.cat(sqs) if sqs else torch.zeros(0, t))
+        if with_entropy and all_sq else None,
     )
 
 

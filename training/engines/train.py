@@ -307,6 +307,11 @@ class LogProbResult:
     """Version of the weights used; None when per-token versions were asked."""
     token_versions: torch.Tensor | None = None
     """(B, T) long versions used per token when per-token versions were asked, else None."""
+    sum_pi_squared: torch.Tensor | None = None
+    """(B, T) fp32 Σ_v π_v² of the same distribution at each response position (the Σπ² of verl's
+    score-norm proxy W, for ``policy/proxy2_total_power``); computed alongside the entropy by the
+    engines that share :func:`training.engines.objective.response_log_probs`, None when entropy
+    was not asked or the engine does not provide it. 0 where j ≥ O_b."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 
 from training.algorithms.advantages import AdvantageConfig, compute_advantage
-from training.algorithms.diagnostics import compute_mismatch_metrics
+from training.algorithms.diagnostics import compute_mismatch_metrics, variance_proxy_metrics
 from training.algorithms.is_correction import (
     CompISConfig,
     EWMAConfig,
@@ -93,7 +93,7 @@ from training.algorithms.is_correction import (
 )
 from training.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from training.algorithms.masked import masked_mean, sanitize, tail_stats
-from training.algorithms.masking import m2po_mask, opsm_mask
+from training.algorithms.masking import m2po_mask, opsm_mask, second_moment
 from training.algorithms.policy_loss import PolicyLossConfig
 from training.algorithms.rollout_correction import (
     PRESETS,
@@ -543,11 +543,18 @@ class Learner:
                 loss tokens, and ``loglinear`` interpolates in steps (A-3PO's policy versions)
                 instead of optimizer-step weight versions.
         Returns:
-            :class:`StepResult`. Metric families: ``mismatch/*`` (π_old — π_current for
-            bypass/loglinear — vs μ), ``policy/entropy/*``, ``is/*`` | ``rollout_corr/*``,
-            ``rs/*``, ``policy/*`` and ``train/*`` (averaged over optimizer steps;
-            ``policy/grad_norm`` and ``policy/grad_norm_max``, ``policy/lr``,
-            ``policy/approx_kl``), ``old/*``, ``kl/value``, ``kl/coef``, ``rollout/*``
+            :class:`StepResult`. Metric families (every step, whatever the strategy and
+            correction): ``mismatch/train_rollout/*`` (π_current vs μ),
+            ``mismatch/engine/*`` (π_old vs μ) and ``mismatch/engine/exact`` (see
+            :mod:`training.algorithms.diagnostics`); ``is/staleness/*`` (π_current/π_old) and
+            ``is/engine/*`` (π_old/μ) measured with method ``none``, replaced by the
+            correction's own values where it applies that source; ``rs/m2po/m2/*`` and
+            ``rs/m2po/m2_mean`` (π_prox vs μ); ``policy/proxy{1,2,3}_*`` (gradient-variance
+            proxies, :func:`~training.algorithms.diagnostics.variance_proxy_metrics`);
+            ``policy/entropy/*``, ``is/*`` | ``rollout_corr/*``, ``rs/*``, ``policy/*`` and
+            ``train/*`` (averaged over optimizer steps; ``policy/grad_norm`` and
+            ``policy/grad_norm_max``, ``policy/lr``, ``policy/approx_kl``), ``old/*``,
+            ``kl/value``, ``kl/coef``, ``rollout/*``
             (reward mean/std, logprob mean, response length tails, truncation, zero-variance
             groups, repetition, reward by difficulty), ``async/partial_samples``,
             ``async/batch_samples``, ``async/batch_tokens``, ``async/rejected_batch``,
@@ -557,6 +564,7 @@ class Learner:
         """
         self._version_to_step = version_to_step
         self._current_step = int(step)
+        self._sum_pi_squared: torch.Tensor | None = None
         row_groups = _minibatch_groups(len(groups), self.recipe.async_.require_batches)
         samples = [s for g in groups for s in g.samples]
         reason = _bad_sample_reason(samples, need_routes=self._replay == "r3")
@@ -590,11 +598,14 @@ class Learner:
         elif self.ewma_state is not None:
             metrics.update(self._ewma_metrics())
 
-        metrics.update(self._diagnostics(packed, policies))
+        # measured first, so the correction's applied versions of the same keys win
+        metrics.update(self._diagnostics(packed, policies, start_version))
         metrics.update(policies.metrics)
         metrics.update(adv_metrics)
         metrics.update(correction.metrics)
         metrics.update(train_metrics)
+        metrics.update(self._proxy_metrics(packed, policies, advantages, correction,
+                                           train_metrics))
         metrics.update(self._rollout_metrics(packed))
         if version_to_step is not None:
             metrics.update(self._lag_metrics(packed, step, version_to_step))
@@ -647,6 +658,7 @@ class Learner:
         res = self.engine.compute_log_probs(
             packed.batch, routing=self._forward_routing,
             temperature=self.recipe.rollout.temperature, with_entropy=True)
+        self._sum_pi_squared = res.sum_pi_squared  # the variance proxies' W (_proxy_metrics)
         current = res.log_probs
         entropy = res.entropy if res.entropy is not None else torch.zeros_like(current)
         mu = packed.rollout_log_prob
@@ -855,6 +867,10 @@ class Learner:
         if norms:
             out["policy/grad_norm"] = sum(norms) / len(norms)
             out["policy/grad_norm_max"] = max(norms)
+        # seed 001's proxy1 ‖ḡ‖²: one mini-batch gradient per optimizer step (skipped steps'
+        # non-finite norms carry no signal)
+        finite = [n * n for n in norms if math.isfinite(n)]
+        out["policy/proxy1_signal_strength"] = sum(finite) / len(finite) if finite else 0.0
         if "train/lr" in out:
             out["policy/lr"] = out["train/lr"]
         if "policy/ppo_kl" in out:
@@ -863,11 +879,68 @@ class Learner:
         return out
 
     # --- metrics ----------------------------------------------------------------------------------
-    def _diagnostics(self, packed: _Packed, p: _Policies) -> dict[str, float]:
-        """Engine mismatch (π_old vs μ; π_current vs μ when π_old is μ) and entropy tails."""
-        train_side = p.current if self.old_strategy in ("bypass", "loglinear") else p.old
-        return compute_mismatch_metrics(train_side, packed.rollout_log_prob,
-                                        packed.batch.response_mask, p.entropy)
+    def _diagnostics(self, packed: _Packed, p: _Policies, start_version: int
+                     ) -> dict[str, float]:
+        """What tells the mismatch sources apart, measured every step (issue 14's contract).
+
+        ``mismatch/train_rollout/*`` (π_current vs μ, with the entropy tails),
+        ``mismatch/engine/*`` (π_old vs μ) and ``mismatch/engine/exact``; the measured ratios
+        ``is/staleness/*`` = π_current/π_old and ``is/engine/*`` = π_old/μ, each with the
+        correction's own method where the correction applies that source (compis: both;
+        decoupled_mis: engine), else ``none``; M2PO's second-moment tails of π_prox vs μ
+        (``rs/m2po/m2/*``, ``rs/m2po/m2_mean``) without applying its mask.
+        """
+        mask = packed.batch.response_mask
+        mu = packed.rollout_log_prob
+        corr = self.recipe.algorithm.correction
+        stale = self._source_method(corr, "staleness", ("compis",))
+        engine = self._source_method(corr, "engine", ("compis", "decoupled_mis"))
+        m = compute_mismatch_metrics(p.current, mu, mask, p.entropy,
+                                     prefix="mismatch/train_rollout/")
+        m.update(compute_mismatch_metrics(p.old, mu, mask, prefix="mismatch/engine/"))
+        m["mismatch/engine/exact"] = self._old_is_exact(packed, p, start_version)
+        m.update(compute_is_correction(p.current, p.old, mask, stale,
+                                       prefix="is/staleness/").metrics)
+        m.update(compute_is_correction(p.old, mu, mask, engine, prefix="is/engine/").metrics)
+        m2 = second_moment(p.proximal, mu, mask)
+        m.update(tail_stats(m2, mask, prefix="rs/m2po/m2/"))
+        m["rs/m2po/m2_mean"] = float(masked_mean(m2, mask))
+        return m
+
+    @staticmethod
+    def _source_method(correction: Any, source: str, kinds: tuple[str, ...]) -> SourceCorrection:
+        """The correction's method for ``source`` when its kind applies it, else ``none``."""
+        spec = getattr(correction, source, None)
+        if correction.kind not in kinds or spec is None:
+            return SourceCorrection("none")
+        return SourceCorrection(spec.method, spec.lower, spec.upper)
+
+    def _old_is_exact(self, packed: _Packed, p: _Policies, start_version: int) -> float:
+        """1.0 when π_old is the trainer at the behaviour version on every loss token: snapshot
+        without fallback, or recompute when every loss token is of the step's start version
+        (sync); ewma (an average, not a version), loglinear and bypass (π_old = μ) never are."""
+        mask = packed.batch.response_mask
+        if self.old_strategy == "snapshot":
+            fallback = p.extra.get("snapshot_fallback_mask")
+            if fallback is not None:
+                return 0.0 if bool((fallback & mask).any()) else 1.0
+        if self.old_strategy in ("snapshot", "recompute"):
+            return 0.0 if bool((mask & (packed.token_versions != start_version)).any()) else 1.0
+        return 0.0
+
+    def _proxy_metrics(self, packed: _Packed, p: _Policies, advantages: torch.Tensor,
+                       corr: _Correction, train_metrics: Mapping[str, float]
+                       ) -> dict[str, float]:
+        """Seed 001's gradient-variance proxies on the trained tokens, π = π_current, ρ̄ from the
+        IS weights handed to the loss (a bypass preset's in-loss weights are not seen: ρ̄ = 1);
+        none when the engine gave no Σ_v π_v²."""
+        if self._sum_pi_squared is None:
+            return {}
+        n = packed.batch.batch_size / max(len(packed.minibatch_rows), 1)
+        return variance_proxy_metrics(
+            p.current, self._sum_pi_squared, advantages, corr.keep,
+            signal_strength=float(train_metrics.get("policy/proxy1_signal_strength", 0.0)),
+            sequences_per_minibatch=n, is_weights=corr.weights)
 
     def _rollout_metrics(self, packed: _Packed) -> dict[str, float]:
         samples = packed.samples

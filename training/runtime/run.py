@@ -177,6 +177,14 @@ def split_stale(groups: Sequence[Group], step: int, step_start_versions: Sequenc
     return kept_groups, staleness, dropped
 
 
+def dropped_stale_frac(counters: Mapping[str, float]) -> float:
+    """Cumulative share of responses dropped as too stale (``max_off_policy_steps``) among those
+    dropped or trained on: dropped / (dropped + trained); 0 before either."""
+    dropped = float(counters["dropped_stale_samples"])
+    total = dropped + float(counters["trained_samples"])
+    return dropped / total if total > 0 else 0.0
+
+
 class Runtime:
     """One run (see the module docstring); use :func:`run_recipe`."""
 
@@ -501,6 +509,8 @@ class Runtime:
             "async/rejected_samples": c["rejected_samples"],
             "async/consumed_samples": float(self.consumed_samples),
         })
+        if self.recipe.async_.max_off_policy_steps is not None:
+            metrics["async/dropped_stale_frac"] = dropped_stale_frac(c)
         version = int(res["weight_version"])
         self.step_start_versions.append(version)
         # seed 004's i advances with every trainer step; dropped samples are credited back
@@ -776,8 +786,9 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 SUMMARY_KEYS = (
-    "rollout/reward_mean", "eval/reward_mean", "mismatch/logprob_abs_diff/mean",
-    "mismatch/logprob_abs_diff/p99", "async/staleness/mean", "async/staleness/max",
+    "rollout/reward_mean", "eval/reward_mean", "mismatch/train_rollout/logprob_abs_diff/mean",
+    "mismatch/train_rollout/logprob_abs_diff/p99", "mismatch/engine/logprob_abs_diff/mean",
+    "async/staleness/mean", "async/staleness/max",
     "policy/entropy/mean", "policy/grad_norm", "rollout/response_length/mean",
     "rollout/truncation_rate", "async/trainer_idle_ratio", "async/rollouter_idle_ratio",
 )

@@ -48,12 +48,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Metrics a terminal line shows by default: learning signal, engine mismatch (mean |Δ log p|
-#: between trainer and rollout engine, training/algorithms/diagnostics.py), staleness, optimiser
-#: health, held-out reward.
+#: Metrics a terminal line shows by default: learning signal, train–rollout mismatch (mean
+#: |Δ log p| between the current trainer and the rollout engine, seed 000's headline;
+#: training/algorithms/diagnostics.py), staleness, optimiser health, held-out reward.
 DEFAULT_CONSOLE_KEYS: tuple[str, ...] = (
     "rollout/reward_mean",
-    "mismatch/logprob_abs_diff/mean",
+    "mismatch/train_rollout/logprob_abs_diff/mean",
     "async/staleness/mean",
     "policy/grad_norm",
     "eval/reward_mean",
@@ -62,7 +62,8 @@ DEFAULT_CONSOLE_KEYS: tuple[str, ...] = (
 #: Short labels of well-known keys on a console line (any other key is shown by its full name).
 CONSOLE_LABELS: dict[str, str] = {
     "rollout/reward_mean": "reward",
-    "mismatch/logprob_abs_diff/mean": "logprob_diff",
+    "mismatch/train_rollout/logprob_abs_diff/mean": "logprob_diff",
+    "mismatch/engine/logprob_abs_diff/mean": "engine_diff",
     "async/staleness/mean": "staleness",
     "policy/grad_norm": "grad_norm",
     "eval/reward_mean": "eval_reward",

@@ -39,15 +39,18 @@ def test_fp32_engine_agrees_with_trainer(moe_ckpt):
     report = run_mismatch_check(moe_ckpt, prompts=8, dtype="fp32")
     m = report.metrics
     assert report.sequences == 8 and report.tokens > 0
-    assert m["mismatch/logprob_abs_diff/max"] < 1e-4
+    assert m["mismatch/engine/logprob_abs_diff/max"] < 1e-4
+    assert m["mismatch/engine/exact"] == 1.0
+    assert not [k for k in m if k.startswith("mismatch/") and not k.startswith(
+        ("mismatch/engine/", "mismatch/r3/"))]
     assert m["moe/routing_flip_rate"] == 0.0
     assert report.diagnosis.healthy and report.verdict == "no meaningful drift"
 
 
 def test_bf16_engine_shows_real_mismatch_and_r3_reduces_it(moe_ckpt):
     m = run_mismatch_check(moe_ckpt, prompts=16, dtype="bf16").metrics
-    assert 1e-4 < m["mismatch/logprob_abs_diff/mean"] < 0.1
-    assert m["mismatch/r3/logprob_abs_diff/mean"] <= m["mismatch/logprob_abs_diff/mean"]
+    assert 1e-4 < m["mismatch/engine/logprob_abs_diff/mean"] < 0.1
+    assert m["mismatch/r3/logprob_abs_diff/mean"] <= m["mismatch/engine/logprob_abs_diff/mean"]
 
 
 def test_cli_json_and_bad_checkpoint(moe_ckpt, tmp_path):
@@ -56,7 +59,7 @@ def test_cli_json_and_bad_checkpoint(moe_ckpt, tmp_path):
                               "--dtype", "fp32", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert out["verdict"] == "no meaningful drift" and "mismatch/kl_k3" in out["metrics"]
+    assert out["verdict"] == "no meaningful drift" and "mismatch/engine/kl_k3" in out["metrics"]
     (tmp_path / "empty").mkdir()
     res = runner.invoke(app, ["check-mismatch", "--checkpoint", str(tmp_path / "empty")])
     assert res.exit_code == 1 and "refusing to start from random weights" in res.stderr
@@ -92,4 +95,4 @@ def test_engine_serving_other_weights_of_the_same_version_is_refused(moe_ckpt, t
         assert server.log_path.parent == tmp_path / "home" / "logs"  # logs in the state dir
     with EmbeddedServer(copy, dtype="fp32") as server:
         report = run_mismatch_check(moe_ckpt, server.url, prompts=2)
-        assert report.metrics["mismatch/logprob_abs_diff/max"] < 1e-4
+        assert report.metrics["mismatch/engine/logprob_abs_diff/max"] < 1e-4

@@ -100,14 +100,16 @@ def test_recompute_old_equals_proximal_and_trains():
     assert torch.equal(d["old_log_prob"], d["proximal_log_prob"])
     assert torch.equal(d["proximal_log_prob"], d["current_log_prob"])
     # μ is the engine's own log-probs: no engine mismatch
-    assert res.metrics["mismatch/logprob_abs_diff/max"] < 1e-5
+    assert res.metrics["mismatch/train_rollout/logprob_abs_diff/max"] < 1e-5
+    assert res.metrics["mismatch/engine/logprob_abs_diff/max"] < 1e-5
     assert res.metrics["async/rejected_batch"] == 0.0
     assert res.metrics["step/weight_version"] == 1.0
     assert res.metrics["async/batch_samples"] == 6.0
     _finite(res.metrics)
     for key in ("policy/grad_norm", "policy/grad_norm_max", "policy/lr", "policy/approx_kl",
                 "policy/entropy/mean", "policy/entropy/p99", "train/loss",
-                "rollout/response_length/p90", "mismatch/kl_k3"):
+                "rollout/response_length/p90", "mismatch/train_rollout/kl_k3",
+                "mismatch/engine/kl_k3"):
         assert key in res.metrics, key
 
 
@@ -163,8 +165,10 @@ def test_bypass_uses_rollout_log_probs_everywhere():
     d = res.debug
     assert torch.equal(d["old_log_prob"], d["rollout_log_prob"])
     assert torch.equal(d["proximal_log_prob"], d["rollout_log_prob"])
-    # mismatch is measured against the current trainer log-probs (π_old = μ would read 0)
-    assert res.metrics["mismatch/logprob_abs_diff/max"] == pytest.approx(0.05, abs=1e-4)
+    # train_rollout compares the current trainer log-probs; π_old = μ: the engine family reads 0
+    assert res.metrics["mismatch/train_rollout/logprob_abs_diff/max"] == pytest.approx(
+        0.05, abs=1e-4)
+    assert res.metrics["mismatch/engine/logprob_abs_diff/max"] == 0.0
     assert res.trained
 
 
@@ -349,6 +353,9 @@ def test_compis_engine_icepop_excludes_out_of_band_tokens():
     n_tok = sum(s.response_len for g in groups for s in g.samples)
     assert int(keep.sum()) == n_tok - 2
     assert res.metrics["is/combined/mask_frac"] == pytest.approx(2 / n_tok)  # applied
+    assert res.metrics["is/engine/mask_frac"] == pytest.approx(2 / n_tok)  # measured
+    assert res.metrics["is/staleness/mask_frac"] == 0.0
+    assert res.metrics["is/engine/ratio/max"] == pytest.approx(10.0, rel=1e-4)
     assert res.debug["is_weights"][1, 1] == 0.0
     assert res.trained
 
@@ -498,7 +505,7 @@ def test_moe_r3_replays_rollout_routes():
     assert r.shape == (len(s.prompt_ids) + s.response_len - 1, 2, 2)
     res = learner.step(groups, step=0)
     assert res.trained and res.metrics["moe/replay_mode"] == 3.0
-    assert res.metrics["mismatch/logprob_abs_diff/max"] < 1e-5
+    assert res.metrics["mismatch/engine/logprob_abs_diff/max"] < 1e-5
     _finite(res.metrics)
     groups = _groups(eng, seed=4, first_id=2, routes=True)
     groups[1].samples[0].routes = None

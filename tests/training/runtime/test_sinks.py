@@ -159,7 +159,7 @@ def test_corrupt_middle_line_names_its_number(tmp_path):
 def test_console_sink_prints_present_keys_every_n(tmp_path):
     out = io.StringIO()
     sink = ConsoleSink(every=2, file=out)
-    metrics = {"rollout/reward_mean": 0.42, "mismatch/logprob_abs_diff/mean": 0.0061,
+    metrics = {"rollout/reward_mean": 0.42, "mismatch/train_rollout/logprob_abs_diff/mean": 0.0061,
                "async/staleness/mean": 0.8, "other/thing": 9.0}
     sink.log(1, metrics)
     sink.log(2, metrics)
@@ -170,7 +170,7 @@ def test_console_sink_prints_present_keys_every_n(tmp_path):
         "step 2 | reward 0.42 | logprob_diff 0.0061 | staleness 0.8",
         "step 4 | grad_norm 1.25 | eval_reward 0.9",
     ]
-    assert "mismatch/logprob_abs_diff/mean" in DEFAULT_CONSOLE_KEYS
+    assert "mismatch/train_rollout/logprob_abs_diff/mean" in DEFAULT_CONSOLE_KEYS
 
 
 def test_console_sink_custom_keys_and_stdout(capsys):

@@ -383,7 +383,18 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         self, model: CausalLM, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
         temperature: float, with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-        """Response log-probs (b, T), entropy (b, T) and per-sequence routes of ``batch``.
+        """Response log-probs (b, T), entropy (b, T) and per-sequence routes of ``batch``."""
+        lp, entropy, _, routes = self._forward_stats(model, batch, replay, temperature,
+                                                     with_entropy)
+        return lp, entropy, routes
+
+    def _forward_stats(
+        self, model: CausalLM, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
+        temperature: float, with_entropy: bool, with_sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+               tuple[torch.Tensor, ...] | None]:
+        """Response log-probs (b, T), entropy (b, T), Σ_v π_v² (b, T) (``with_sum_pi_squared``)
+        and per-sequence routes of ``batch``.
 
         The input is trimmed to the batch's longest sequence; outputs keep the full width T.
         """
@@ -393,12 +404,13 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         replay_t = None if replay is None else pad_routes(batch, replay, width,
                                                           self.model.config).to(self.device)
         logits, routes = model(ids, attention_mask=attn, replay_routes=replay_t)
-        lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
+        lp, entropy, sum_sq = response_log_probs(logits, batch, temperature, with_entropy,
+                                                 with_sum_pi_squared)
         per_seq = None
         if routes is not None:
             per_seq = tuple(routes[i, : int(batch.total_lens[i]) - 1].to("cpu", torch.int32)
                             for i in range(batch.batch_size))
-        return lp, entropy, per_seq
+        return lp, entropy, sum_sq, per_seq
 
     # --- routing (shared: training.engines.routes.RouteReplay) -------------------------------
     def _route_config(self) -> ModelConfig:
@@ -428,9 +440,10 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         model = self._model_at(v)
         with torch.no_grad():
             result = micro_batch_log_probs(
-                lambda s: self._forward(model, batch.select(s),
-                                        None if replay is None else replay[s], temperature,
-                                        with_entropy),
+                lambda s: self._forward_stats(model, batch.select(s),
+                                              None if replay is None else replay[s],
+                                              temperature, with_entropy,
+                                              with_sum_pi_squared=with_entropy),
                 batch, micro_batch_size=micro_batch_size, with_entropy=with_entropy,
                 is_moe=self.model.config.is_moe, weight_version=v)
         if result.routes and replay is None:
@@ -482,9 +495,10 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         self._shadow_version = None  # the shadow now holds no version
         with torch.no_grad():
             return micro_batch_log_probs(
-                lambda s: self._forward(shadow, batch.select(s),
-                                        None if replay is None else replay[s], temperature,
-                                        with_entropy),
+                lambda s: self._forward_stats(shadow, batch.select(s),
+                                              None if replay is None else replay[s],
+                                              temperature, with_entropy,
+                                              with_sum_pi_squared=with_entropy),
                 batch, micro_batch_size=micro_batch_size, with_entropy=with_entropy,
                 is_moe=self.model.config.is_moe, weight_version=None)
 

@@ -604,8 +604,21 @@ class MegatronRank(RetainedState, RouteReplay):
     def _forward(self, model: Any, batch: TokenBatch, replay: Sequence[torch.Tensor] | None,
                  temperature: float, with_entropy: bool, pad_to: tuple[int, int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
-        """Response log-probs (b, T), entropy and per-sequence routes of ``batch`` (the input
-        trimmed to its longest sequence, like the embedded engine).
+        """Response log-probs (b, T), entropy and per-sequence routes (:meth:`_forward_stats`
+        without Σ_v π_v²)."""
+        lp, entropy, _, routes = self._forward_stats(model, batch, replay, temperature,
+                                                     with_entropy, pad_to)
+        return lp, entropy, routes
+
+    def _forward_stats(self, model: Any, batch: TokenBatch,
+                       replay: Sequence[torch.Tensor] | None, temperature: float,
+                       with_entropy: bool, pad_to: tuple[int, int] | None = None,
+                       with_sum_pi_squared: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                  tuple[torch.Tensor, ...] | None]:
+        """Response log-probs (b, T), entropy, Σ_v π_v² (``with_sum_pi_squared``) and
+        per-sequence routes of ``batch`` (the input trimmed to its longest sequence, like the
+        embedded engine).
 
         ``pad_to=(rows, width)`` forwards a larger input: extra rows and columns are padding no
         real token attends to (their outputs are dropped). Expert parallelism needs it: the MoE
@@ -665,9 +678,10 @@ class MegatronRank(RetainedState, RouteReplay):
         if pipe is None or pipe.last:
             # drop the padding rows / columns and the vocabulary padding of TP
             logits = out[:b, :real_width, : cfg.vocab_size]
-            lp, entropy = response_log_probs(logits, batch, temperature, with_entropy)
+            lp, entropy, sum_sq = response_log_probs(logits, batch, temperature, with_entropy,
+                                                     with_sum_pi_squared)
             if pipe is not None:
-                for t in (lp, entropy):
+                for t in (lp, entropy, sum_sq):
                     if t is not None:
                         dist.broadcast(t.detach().contiguous(), src=pipe.last_rank,
                                        group=pipe.group)
@@ -677,7 +691,9 @@ class MegatronRank(RetainedState, RouteReplay):
             lp = torch.empty(shape, dtype=torch.float32, device=dev)
             entropy = torch.empty(shape, dtype=torch.float32, device=dev) if with_entropy \
                 else None
-            for t in (lp, entropy):
+            sum_sq = torch.empty(shape, dtype=torch.float32, device=dev) \
+                if with_sum_pi_squared else None
+            for t in (lp, entropy, sum_sq):
                 if t is not None:
                     dist.broadcast(t, src=pipe.last_rank, group=pipe.group)
             if grad:
@@ -700,7 +716,7 @@ class MegatronRank(RetainedState, RouteReplay):
             else:
                 assert replay is not None
                 per_seq = tuple(r.to(torch.int32) for r in replay)
-        return lp, entropy, per_seq
+        return lp, entropy, sum_sq, per_seq
 
     # --- routing (shared with the embedded engine: training.engines.routes.RouteReplay) ------
     # Every rank holds the same route cache (log-prob passes run the whole batch everywhere;
@@ -743,8 +759,10 @@ class MegatronRank(RetainedState, RouteReplay):
         model.eval()
 
         def forward(s: slice, pad_to: tuple[int, int] | None = None) -> Any:
-            return self._forward(model, batch.select(s), None if replay is None else replay[s],
-                                 temperature, with_entropy, pad_to)
+            return self._forward_stats(model, batch.select(s),
+                                       None if replay is None else replay[s], temperature,
+                                       with_entropy, pad_to,
+                                       with_sum_pi_squared=with_entropy)
 
         dp, dp_rank, dp_group = self._dp()
         slices = micro_batch_slices(batch.batch_size, micro_batch_size)
@@ -756,9 +774,9 @@ class MegatronRank(RetainedState, RouteReplay):
                 for r, shape, s in zip(rounds.rounds, rounds.shapes, rounds.mine, strict=True):
                     pad = shape if self._lockstep else None
                     if s is not None:
-                        lp, ent, routes = forward(s, pad)
+                        lp, ent, sq, routes = forward(s, pad)
                         done.append((s.start, (lp.cpu(), None if ent is None else ent.cpu(),
-                                               routes)))
+                                               None if sq is None else sq.cpu(), routes)))
                     elif self._lockstep:
                         forward(r[0], pad)  # a dummy matching the other ranks' collectives
                 shared: list[Any] = [None] * dp

@@ -129,6 +129,27 @@ def test_entropy_and_log_probs_hand_checked():
     torch.testing.assert_close(res.log_probs, torch.full((1, 2), -math.log(V)))
 
 
+def test_sum_pi_squared_hand_checked():
+    """Σ_v π_v² of the same stub logits, returned with the entropy (the variance proxies' W)."""
+    eng = _engine()
+    batch = TokenBatch.from_sequences([[1, 7], [1]], [[5, 9], [5]])
+
+    def fixed_logits(ids, attention_mask=None, replay_routes=None):
+        logits = torch.zeros(ids.shape[0], ids.shape[1], V)
+        logits[..., 5] = math.log(3.0)
+        return logits, None
+
+    eng.model.forward = fixed_logits
+    p5, po = 3 / 102, 1 / 102
+    s2 = p5 ** 2 + 99 * po ** 2
+    res = eng.compute_log_probs(batch, micro_batch_size=1)
+    torch.testing.assert_close(res.sum_pi_squared, torch.tensor([[s2, s2], [s2, 0.0]]))
+    assert eng.compute_log_probs(batch, with_entropy=False).sum_pi_squared is None
+    # per-token versions: gathered like the log-probs
+    res = eng.compute_log_probs(batch, version=torch.zeros(2, 2, dtype=torch.long))
+    torch.testing.assert_close(res.sum_pi_squared, torch.tensor([[s2, s2], [s2, 0.0]]))
+
+
 @pytest.mark.parametrize(("loss_name", "agg", "entropy_coeff"), [
     ("vanilla", "token-mean", 0.0),
     ("vanilla", "seq-mean-token-mean", 0.0),

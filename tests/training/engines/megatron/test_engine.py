@@ -29,6 +29,7 @@ def test_log_probs_and_entropy_match_the_embedded_engine(mg, experts):
         a, b = emb.compute_log_probs(batch, **kw), meg.compute_log_probs(batch, **kw)
         _close(b.log_probs, a.log_probs)
         _close(b.entropy, a.entropy)
+        _close(b.sum_pi_squared, a.sum_pi_squared)  # the variance proxies' Σ_v π_v²
         assert b.weight_version == a.weight_version == 0
         if experts:  # the routers choose the same experts at every position and layer
             assert all(torch.equal(x, y) for x, y in zip(a.routes, b.routes, strict=True))
