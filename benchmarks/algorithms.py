@@ -7,7 +7,8 @@ Usage:
 Prints, side by side, tokens/s of each stage and of the full pass a decoupled train step runs
 before its backward: CompIS per-source weights (staleness cap + engine IcePop), the seed-001
 rollout correction (preset decoupled_geo_rs_token_tis: token TIS + seq_mean_k1 RS, with verl's
-metrics), the diagnostics (mismatch/*, is/*, M2PO percentiles), and the CompIS PPO loss forward +
+metrics), the diagnostics (mismatch/train_rollout/*, mismatch/engine/*, is/*, M2PO
+percentiles), and the CompIS PPO loss forward +
 backward. Inputs are seeded and identical each run; ~30% of positions are padding, with NaN
 written there to exercise the masked paths. Times are the median of ``--repeats`` runs after one
 warm-up.
@@ -25,6 +26,7 @@ import torch
 from training.algorithms import (
     CompISConfig,
     RolloutCorrectionConfig,
+    SourceCorrection,
     compis_policy_loss,
     compute_compis_weights,
     compute_off_policy_diagnostics,
@@ -69,7 +71,7 @@ def main() -> None:
     b = make_batch(args.batch, args.length)
     n_tokens = args.batch * args.length
     rc = RolloutCorrectionConfig.decoupled_geo_rs_token_tis()
-    compis = CompISConfig()
+    compis = CompISConfig(engine=SourceCorrection("icepop"))  # both sources corrected
 
     def stage_compis():
         compute_compis_weights(b["prox"], b["old"], b["rollout"], b["mask"], compis)

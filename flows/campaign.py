@@ -301,7 +301,10 @@ def _context(recipe_data: Mapping[str, Any]) -> dict[str, Any]:
     a = recipe_data.get("async", {})
     mode = a.get("mode", "sync")
     bound = {"sync": 0, "one_step": 1}.get(mode, a.get("max_off_policy_steps"))
-    return {"mode": mode, "max_staleness": bound}
+    # max_off_policy_steps tells staleness_within_bound that drops are configured (the bound then
+    # holds by construction and the dropped fraction is what it judges)
+    return {"mode": mode, "max_staleness": bound,
+            "max_off_policy_steps": a.get("max_off_policy_steps")}
 
 
 @flow(name="asyncrl-campaign", log_prints=False)
@@ -444,7 +447,9 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
             crash_point(f"judged:{stage.name}")
             if winner is None:
                 worst = outcomes[-1]
-                diag = diagnosis_for(read_metrics(worst["run"]["metrics_path"]))
+                # the last candidate's own recipe tailors the prescribed override to it
+                worst_recipe = built.candidates[len(outcomes) - 1][1]
+                diag = diagnosis_for(read_metrics(worst["run"]["metrics_path"]), worst_recipe)
                 failed = "; ".join(f"{o['candidate']}: " + ", ".join(
                     g["name"] for g in o["report"]["gates"] if not g["passed"])
                     for o in outcomes)

@@ -59,7 +59,7 @@ def _live_table(state: dict[tuple[str, str], dict[str, Any]]):
 
         failed = ", ".join(g["name"] for g in row.get("gates", []) if not g["passed"])
         t.add_row(stage, cand, row.get("status", ""), f("rollout/reward_mean"),
-                  f("eval/reward_mean"), f("mismatch/logprob_abs_diff/mean"),
+                  f("eval/reward_mean"), f("mismatch/train_rollout/logprob_abs_diff/mean"),
                   f("async/staleness/mean"), failed)
     return t
 
