@@ -11,9 +11,10 @@ pass) or ``best_eval`` (the passing candidate with the highest final ``eval/rewa
 Candidates of a stage are compared like with like (issue 14): a stage's ``samples`` gives every
 candidate the same data — ``ceil(samples / samples_per_step)`` steps of its own recipe, so a
 candidate on ¼ batches runs 4× the steps — and ``rerun_reference`` re-runs the reference stages'
-promoted recipes from this stage's starting checkpoint with this stage's steps/samples (named
+promoted recipes from this stage's starting checkpoint with this stage's overrides (all but the
+``async`` section: the reference runs the stage's task in its own mode) and steps/samples (named
 ``reference-<stage>``, never promotable) so relative gates compare against a run that started
-where the candidates start.
+where the candidates start, on the same task.
 
 Everything is validated when the file is loaded — including every candidate's recipe, built by
 applying the overrides in order, and whether each of its stage's gates can be judged on what
@@ -163,9 +164,10 @@ class Stage(_Strict):
         "data. Exclusive with steps."))
     rerun_reference: YamlBool = Field(False, description=(
         "Before the candidates, re-run the promoted recipe of every stage a gate names in "
-        "relative_to from this stage's starting checkpoint, with this stage's steps or "
-        "samples (candidate 'reference-<stage>', never promoted); those gates compare against "
-        "the re-run. Needs steps or samples."))
+        "relative_to from this stage's starting checkpoint, with this stage's overrides except "
+        "their async section (the reference runs this stage's task in its own async mode) and "
+        "this stage's steps or samples (candidate 'reference-<stage>', never promoted); those "
+        "gates compare against the re-run. Needs steps or samples."))
 
     _overrides = field_validator("overrides")(_plain)
 
@@ -292,12 +294,18 @@ class Campaign(_Strict):
     def reference_recipe(self, promoted: Mapping[str, Any], stage: Stage, reference: str, *,
                          checkpoint: str | None = None) -> Recipe:
         """The re-run of ``reference``'s promoted recipe (``promoted``, as data) inside
-        ``stage`` (``rerun_reference``): unchanged but for the model (``checkpoint``, this
-        stage's starting checkpoint), the length (this stage's steps or samples) and the name
+        ``stage`` (``rerun_reference``): ``promoted`` + the stage's overrides except its
+        ``async`` section, so the reference runs the stage's task (response length, group size,
+        difficulty, ...) in its own async mode; the model is ``checkpoint`` (this stage's
+        starting checkpoint), the length this stage's steps or samples, and the name
         ``<campaign>/<stage>/reference-<reference>``."""
         name = reference_name(reference)
-        return self._sized(dict(promoted), stage, name,
-                           f"stage {stage.name!r} {name} (rerun_reference)", checkpoint)
+        where = f"stage {stage.name!r} {name} (rerun_reference)"
+        try:
+            data = apply_overrides(promoted, _without_async(stage.overrides))
+        except RecipeError as e:
+            raise _located(e, where) from None
+        return self._sized(data, stage, name, where, checkpoint)
 
     def _sized(self, data: dict[str, Any], stage: Stage, candidate: str, where: str,
                checkpoint: str | None) -> Recipe:
@@ -344,6 +352,12 @@ def resolve_base(campaign: Campaign, source_dir: Path) -> dict[str, Any]:
         raise CampaignError(str(e)) from None
 
 
+def _without_async(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` less the ``async`` section, nested (``async: {...}``) or dotted
+    (``async.mode``): what a stage's re-run reference keeps of the stage's overrides."""
+    return {k: v for k, v in overrides.items() if k != "async" and not k.startswith("async.")}
+
+
 def _located(err: RecipeError, where: str) -> CampaignError:
     msg = str(err)
     return CampaignError(msg if msg.startswith(where) else f"{where}: {msg}")
@@ -384,13 +398,10 @@ def stage_recipes(campaign: Campaign, stage: Stage, current: Mapping[str, Any],
 def _check_gates(stage: Stage, candidate: str, recipe: Recipe) -> None:
     """Every gate of ``stage`` can be judged on what ``recipe`` logs (issue 14: refused at
     load, not found failing after training)."""
-    from registry import gates
+    from registry.gates import unmet_requirement
 
-    unmet = getattr(gates, "unmet_requirement", None)
-    if unmet is None:  # a registry.gates without the requirement check: nothing to ask
-        return
     for g in stage.gates:
-        why = unmet(g.name, g.params, recipe)
+        why = unmet_requirement(g.name, g.params, recipe)
         if why:
             raise CampaignError(f"stage {stage.name!r} gate {g.name!r} cannot judge candidate "
                                 f"{candidate!r}: {why}")

@@ -22,6 +22,7 @@ gate                                 source
                                      and its RS → IS → systems escalation (mask > 25 % → systems),
                                      per IS source (combined, engine, staleness)
 ``is_weight_mean_band``              seed 000 Fix 2: engine IS weight-mean dips to ≈ 0.992
+                                     (judged on the raw ratio mean, method-independent)
 ``pg_clipfrac``                      seed 001 cause E: pg_clipfrac > 0.2 and rising
 ``repetition_rate``                  seed 000's failure cascade: entropy blow-up → repetition
                                      rate increase → test collapse
@@ -32,7 +33,8 @@ gate                                 source
                                      median followed by reward degradation
 ``staleness_within_bound``           the async mode's own bound (0 sync, 1 one-step,
                                      max_off_policy_steps fully async); with drops configured,
-                                     the fraction of samples dropped as too stale
+                                     the fraction of samples dropped as too stale (and an
+                                     explicit max_staleness, when given)
 ===================================  ==========================================================
 
 Conventions shared by every gate:
@@ -129,7 +131,7 @@ PG_CLIPFRAC = "policy/pg_clipfrac"
 REPETITION = "rollout/repetition_rate"
 ZERO_VARIANCE = "rollout/zero_variance_group_frac"
 IS_SOURCES = ("combined", "engine", "staleness")
-WEIGHT_MEAN_SOURCES = ("engine", "staleness")
+RATIO_MEAN_SOURCES = ("engine", "staleness")
 EVAL_ONLY = "step/eval_only"
 _NOT_METRICS = frozenset({"step", "time", "_nonfinite", EVAL_ONLY})
 
@@ -200,8 +202,12 @@ class LogprobDiffFlatParams:
     With a reference (the campaign's sync baseline: same engines, no staleness) the judgement is
     relative, the preferred form: fails when the level (mean of the last ``tail`` fraction of
     points) exceeds ``max_ratio`` × the reference's level, or when the run's fitted rise (least-
-    squares slope × steps spanned) exceeds the reference's fitted rise over the same span by more
-    than ``max_rise_ratio`` × the reference's level. Without a reference, the absolute fallback:
+    squares slope × steps spanned) exceeds the reference's total fitted rise (its own slope × its
+    own span, :func:`summarize`'s ``.../rise``) by more than ``max_rise_ratio`` × the
+    reference's level. Total rises, not slopes, are compared because a campaign stage's
+    ``samples`` gives both runs the same data over different step counts (a ¼-batch candidate
+    runs 4× the steps); a summary without ``.../rise`` (written before it existed) falls back
+    to the reference's slope × this run's span. Without a reference, the absolute fallback:
     fails when the slope exceeds ``max_slope`` *and* the fitted rise exceeds ``min_rise``, or the
     level exceeds ``max_level``.
 
@@ -315,14 +321,19 @@ class IsHealthParams:
 
 @dataclass(frozen=True)
 class IsWeightMeanBandParams:
-    """``is_weight_mean_band``: seed 000's Fix-2 trigger. The per-step mean of each source's IS
-    weight (``is/engine/weight_mean``: π_old/μ; ``is/staleness/weight_mean``: π_current/π_old)
+    """``is_weight_mean_band``: seed 000's Fix-2 trigger. The per-step mean of each source's raw
+    IS ratio (``is/engine/ratio/mean``: π_old/μ; ``is/staleness/ratio/mean``: π_current/π_old)
     "should sit at 1.0"; at 64k the engine one showed frequent sharp downward spikes to ≈ 0.992,
     tokens the trainer finds far less likely than the engine did, which led to two-sided IcePop
     bounds. Fails when either source leaves [1 − ``delta``, 1 + ``delta``] on more than
-    ``max_steps`` steps (dips and spikes both count). The metrics are measured on every recipe,
-    corrected or not; under ``old_logprob`` bypass or loglinear π_old is μ, so the engine source
-    is identically 1 (:func:`unmet_requirement` refuses the gate there).
+    ``max_steps`` steps (dips and spikes both count).
+
+    The raw ratio, not ``is/<source>/weight_mean``: the weight is the correction method's output
+    and counts a token a cap/IcePop method rejects as 0, so the Fix-2 candidate's own rejections
+    would read as dips and fail it; the ratio is the same whatever method corrects the source.
+    The ratios are measured on every recipe, corrected or not; under ``old_logprob`` bypass or
+    loglinear π_old is μ, so the engine source is identically 1 (:func:`unmet_requirement`
+    refuses the gate there).
 
     delta: 0.005 — the seed's dips (0.992, 0.8 % below 1) leave the band with margin, while a
         mean that "mostly sits at 1.0" stays inside (ours: the seed gives the dip, not a band).
@@ -457,11 +468,14 @@ class StalenessWithinBoundParams:
     or the ``async/dropped_stale_frac`` metric the runtime logs then), the cumulative fraction of
     samples dropped as too stale ≤ ``max_dropped_frac``. With drops configured the bound check
     alone is tautological — the runtime drops every sample beyond it — so the dropped fraction is
-    what says whether the pipeline keeps up.
+    what says whether the pipeline keeps up — unless ``max_staleness`` is set explicitly: then
+    the peak is checked against it as well (a tighter bound than the runtime's is a real check),
+    and the gate fails on either.
 
     max_staleness: None — the bound comes from ``context["max_staleness"]`` (the runtime's: 0
-        sync, 1 one-step, ``max_off_policy_steps`` fully async); a number here overrides it.
-        With neither, the bound check passes with "no bound configured".
+        sync, 1 one-step, ``max_off_policy_steps`` fully async); a number here overrides it,
+        and is checked even with drops configured. With neither, the bound check passes with
+        "no bound configured".
     max_dropped_frac: 0.25 — seed 001's limit for discarding data: "RS would discard > 25 % of
         the batch" → fix the system instead (``Thresholds.rs_mask_high``); dropping stale samples
         discards rollout compute the same way.
@@ -777,14 +791,22 @@ def _logprob_diff_flat(run: _Run, p: LogprobDiffFlatParams,
     if ref is not None and ref > 0:
         # Relative judgement: the campaign's own baseline sets "normal" (seed 000: "You can't
         # pick good clip bounds if you don't know what normal looks like").
-        ref_slope = _ref_value(reference, f"{LOGPROB_DIFF}/slope") or 0.0
-        ref_rise = ref_slope * span
+        # Total fitted rises are compared: under Stage.samples both runs saw the same samples
+        # but a ¼-batch candidate spans 4× the steps, so the reference's slope × the
+        # candidate's span would stretch the reference's rise 4×. Summaries written before
+        # the rise key existed fall back to that slope × span.
+        ref_rise = _ref_value(reference, f"{LOGPROB_DIFF}/rise")
+        if ref_rise is not None:
+            ref_basis = "over its whole run"
+        else:
+            ref_rise = (_ref_value(reference, f"{LOGPROB_DIFF}/slope") or 0.0) * span
+            ref_basis = f"its slope over the same {span} steps"
         excess, rise_limit = rise - ref_rise, p.max_rise_ratio * ref
         limit = p.max_ratio * ref
         growing = excess > rise_limit
         too_high = level > limit
-        detail = (f"fitted rise {_g(rise)} vs the reference's {_g(ref_rise)} over the same "
-                  f"{span} steps: excess {_g(excess)} {'>' if growing else '≤'} {_g(rise_limit)} "
+        detail = (f"fitted rise {_g(rise)} over {span} steps vs the reference's {_g(ref_rise)} "
+                  f"({ref_basis}): excess {_g(excess)} {'>' if growing else '≤'} {_g(rise_limit)} "
                   f"({_g(p.max_rise_ratio)} × the reference level {_g(ref)}); level {_g(level)} "
                   f"{'>' if too_high else '≤'} {_g(limit)} ({_g(p.max_ratio)} × the reference "
                   f"level {_g(ref)})")
@@ -1041,13 +1063,13 @@ def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
     name = "is_weight_mean_band"
     lo, hi = 1.0 - p.delta, 1.0 + p.delta
     found = []  # source, key, points, points outside the band
-    for src in WEIGHT_MEAN_SOURCES:
-        key = f"is/{src}/weight_mean"
+    for src in RATIO_MEAN_SOURCES:
+        key = f"is/{src}/ratio/mean"
         pts = run.series(key)
         if pts:
             found.append((src, key, pts, [(s, v) for s, v in pts if not lo <= v <= hi]))
     if not found:
-        keys = " or ".join(f"is/{s}/weight_mean" for s in WEIGHT_MEAN_SOURCES)
+        keys = " or ".join(f"is/{s}/ratio/mean" for s in RATIO_MEAN_SOURCES)
         return _not_enough(name, p, 0, keys, 1)
     parts = []
     worst: tuple[int, float, str, list[Point]] | None = None  # outside count, |dev|, src, pts
@@ -1066,8 +1088,8 @@ def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
     assert worst is not None
     failed = [f for f in found if len(f[3]) > p.max_steps]
     n_out, _, src, pts = worst
-    verdict = (f"IS weight mean left its band ({', '.join(f[0] for f in failed)}; seed 000's "
-               "Fix-2 trigger → two-sided bounds)" if failed else "IS weight means stayed at 1")
+    verdict = (f"IS ratio mean left its band ({', '.join(f[0] for f in failed)}; seed 000's "
+               "Fix-2 trigger → two-sided bounds)" if failed else "IS ratio means stayed at 1")
     return _result(name, p, not failed, float(n_out), float(p.max_steps), _span(pts),
                    f"{verdict}: " + "; ".join(parts) + ".")
 
@@ -1274,21 +1296,38 @@ def _staleness_within_bound(run: _Run, p: StalenessWithinBoundParams,
                             reference: Mapping[str, float] | None,
                             context: Mapping[str, Any]) -> GateResult:
     name = "staleness_within_bound"
-    if p.max_staleness is not None:
-        bound, source = p.max_staleness, "max_staleness parameter"
-    elif context.get("max_staleness") is not None:
+    run_bound: float | None = None  # the runtime's, from the context
+    if context.get("max_staleness") is not None:
         raw = context["max_staleness"]
-        bound = _number(raw)
-        if bound is None or bound < 0:
+        run_bound = _number(raw)
+        if run_bound is None or run_bound < 0:
             raise ValueError(f"context max_staleness must be a number ≥ 0, got {raw!r}; the "
                              "runtime passes 0 (sync), 1 (one_step) or max_off_policy_steps")
-        source = "the run's async mode"
+    if p.max_staleness is not None:
+        bound, source = p.max_staleness, "max_staleness parameter"
+    elif run_bound is not None:
+        bound, source = run_bound, "the run's async mode"
     else:
         bound, source = None, ""
     dropped = run.series(DROPPED_FRAC)
     drops_configured = bool(dropped) or context.get("max_off_policy_steps") is not None
     if drops_configured:
-        return _dropped_fraction(name, p, run, dropped, bound)
+        drops = _dropped_fraction(name, p, run, dropped, run_bound)
+        if p.max_staleness is None:
+            return drops
+        # An explicit bound is the user's, not the runtime's drop threshold (it may be
+        # tighter), so drops do not make it hold by construction: check it too.
+        peak = _staleness_peak(name, p, run, p.max_staleness, source)
+        failed = [r for r in (peak, drops) if not r.passed]
+        main = failed[0] if failed else drops
+        return _result(name, p, not failed, main.value, main.threshold, main.window,
+                       f"{drops.evidence[:-1]}; {peak.evidence}")
+    return _staleness_peak(name, p, run, bound, source)
+
+
+def _staleness_peak(name: str, p: StalenessWithinBoundParams, run: _Run,
+                    bound: float | None, source: str) -> GateResult:
+    """The peak ``async/staleness/max`` against ``bound`` (passes when there is none)."""
     pts = run.series(STALENESS_MAX)
     if bound is None:
         seen = f" (observed max {_g(max(v for _, v in pts))})" if pts else ""
@@ -1338,9 +1377,11 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     read like the gates read (training rows for training metrics, every row for ``eval/*``, None
     and non-numeric values skipped). With a metric logged every step this is the mean over the
     last 25 % of training steps; a sparse metric (eval every k steps) averages its own last 25 %
-    of values. Plus ``"mismatch/train_rollout/logprob_abs_diff/mean/slope"``: the least-squares
-    slope of the headline |Δlogp| over the whole run, per step (present with ≥ 2 points), which
-    ``logprob_diff_flat`` compares a candidate's rise with.
+    of values. Plus, for the headline |Δlogp| (present with ≥ 2 points):
+    ``"mismatch/train_rollout/logprob_abs_diff/mean/slope"``, its least-squares slope over the
+    whole run, per step, and ``".../rise"``, that slope × the run's own step span — the total
+    fitted rise ``logprob_diff_flat`` compares a candidate's total rise with (runs of a
+    ``samples`` stage see the same data over different step counts).
     """
     if not 0 < tail <= 1:
         raise ValueError(f"tail must be in (0, 1], got {tail!r}; 0.25 is the last quarter")
@@ -1348,7 +1389,10 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     out = _tail_means(run, run.metric_keys(), tail)
     pts = run.series(LOGPROB_DIFF)
     if len(pts) >= 2:
-        out[f"{LOGPROB_DIFF}/slope"] = _slope(pts)
+        slope = _slope(pts)
+        first, last = _span(pts)
+        out[f"{LOGPROB_DIFF}/slope"] = slope
+        out[f"{LOGPROB_DIFF}/rise"] = slope * (last - first)
     return dict(sorted(out.items()))
 
 
@@ -1361,6 +1405,16 @@ def _diagnose_run(run: _Run, tail: float = 0.25) -> Diagnosis:
         if pts:
             series[key] = [v for _, v in pts]
     return diagnose(metrics, _DEFAULT_THRESHOLDS, series)
+
+
+#: Gates :func:`diagnosis_for` leaves out: without a reference their default is a number from
+#: another task, so on ours they would fail every run and name nothing wrong with it.
+#: (``repetition_rate`` without a reference compares with the run's own start, so it stays.)
+_NEEDS_REFERENCE = {
+    "zero_variance_groups": "its absolute max_frac 0.45 is seed 000's task; the embedded "
+                            "sum-digits task sits at 0.53–0.70 from the start, so it is only "
+                            "meaningful relative_to a baseline",
+}
 
 
 _ESCALATION_TEXT = {
@@ -1427,13 +1481,16 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     Every finding carries ``override``: its fix as a recipe override (dotted keys → values,
     :func:`training.algorithms.decision_tree.prescription`), tailored to ``recipe`` (MoE or
     dense, its LR) when given; with a recipe the override is applied and validated, and
-    ``override_error`` says why it does not load (None when it does). The default gates that
-    fail are listed under ``failed_gates``.
+    ``override_error`` says why it does not load (None when it does). Every gate runs at its
+    defaults with no reference, except those whose default is only meaningful against one
+    (``zero_variance_groups``), listed under ``skipped_gates`` with the reason and named in
+    the summary; the gates that fail are listed under ``failed_gates``.
 
     Returns:
         ``{"causes", "findings": [{"cause", "title", "evidence", "fix", "override",
         "override_error"}], "unseparated": {...} | None, "engine_exact", "healthy",
-        "escalation", "escalation_text", "missing", "window", "failed_gates", "summary"}``.
+        "escalation", "escalation_text", "missing", "window", "failed_gates",
+        "skipped_gates": [{"name", "why"}], "summary"}``.
     """
     run = _Run(history)
     d = _diagnose_run(run)
@@ -1464,8 +1521,9 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     if unseparated_ev:
         unseparated = finding("unseparated", UNSEPARATED[0], unseparated_ev, UNSEPARATED[1])
         unseparated["engine_exact"] = d.engine_exact
-    failed = [r for r in (_evaluate(n, run, None, None, None) for n in gate_names())
-              if not r.passed]
+    judged = [n for n in gate_names() if n not in _NEEDS_REFERENCE]
+    skipped = [{"name": n, "why": why} for n, why in _NEEDS_REFERENCE.items()]
+    failed = [r for r in (_evaluate(n, run, None, None, None) for n in judged) if not r.passed]
     causes = [f["cause"] for f in findings]
     parts = []
     if causes:
@@ -1483,6 +1541,8 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
                    + ", ".join(r.name for r in failed) + ".")
     else:
         summary = "no decision-tree cause matched and every default gate passes."
+    summary += (" Not judged without a reference: " + ", ".join(g["name"] for g in skipped)
+                + " (give it relative_to a baseline in a campaign).")
     return {
         "causes": causes,
         "findings": findings,
@@ -1494,6 +1554,7 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
         "missing": list(d.missing),
         "window": [run.train[0][0], run.train[-1][0]] if run.train else None,
         "failed_gates": [r.to_dict() for r in failed],
+        "skipped_gates": skipped,
         "summary": summary,
     }
 
@@ -1513,7 +1574,7 @@ def unmet_requirement(name: str, params: Mapping[str, Any] | None,
     * ``staleness_within_bound`` given ``max_dropped_frac`` needs ``async.max_off_policy_steps``
       (without it nothing is dropped and the parameter would silently never apply).
     * ``is_weight_mean_band`` needs π_old distinct from μ: under ``old_logprob`` bypass or
-      loglinear (or a bypass preset, which forces bypass) ``is/engine/weight_mean`` is
+      loglinear (or a bypass preset, which forces bypass) ``is/engine/ratio/mean`` is
       identically 1. Every other recipe measures both sources, corrected or not.
     * ``zero_variance_groups`` needs groups: ``rollout.n`` ≥ 2.
     The other gates read metrics every recipe logs.
@@ -1532,16 +1593,17 @@ def unmet_requirement(name: str, params: Mapping[str, Any] | None,
                 "stale, but the recipe keeps every sample (async.max_off_policy_steps is null); "
                 "set async.max_off_policy_steps or remove max_dropped_frac")
     if name == "is_weight_mean_band":
+        from training.recipe import PresetCorrection
+
         a = recipe.algorithm
         corr = a.correction
-        bypass_preset = getattr(corr, "kind", None) == "preset" \
-            and str(getattr(corr, "name", "")).startswith("bypass_")
+        bypass_preset = isinstance(corr, PresetCorrection) and corr.name.startswith("bypass_")
         strategy = "bypass" if bypass_preset else a.old_logprob
         if strategy in ("bypass", "loglinear"):
             why = ("a bypass preset forces old_logprob bypass" if bypass_preset
                    else f"old_logprob is {strategy}")
-            return (f"gate is_weight_mean_band reads the engine IS weight π_old/μ, but {why}, "
-                    "so π_old is μ and the weight is identically 1; use old_logprob snapshot "
+            return (f"gate is_weight_mean_band reads the engine IS ratio π_old/μ, but {why}, "
+                    "so π_old is μ and the ratio is identically 1; use old_logprob snapshot "
                     "(or recompute/ewma) or drop the gate")
     if name == "zero_variance_groups" and recipe.rollout.n < 2:
         return (f"gate zero_variance_groups needs groups of ≥ 2 samples, but rollout.n "

@@ -126,13 +126,36 @@ def test_rerun_reference_rebuilds_the_promoted_recipe_at_this_stages_start_and_l
     assert list(b.references) == ["a"]
     assert ref.name == "c/b/reference-a"
     assert ref.model.model_dump() == {"kind": "checkpoint", "path": "/ckpt/a/final/hf"}
-    # the promoted recipe itself (sync, lr 3e-6, 16 samples a step), at this stage's data
-    assert (ref.mode, ref.optim.lr, ref.samples_per_step, ref.steps) == ("sync", 3e-6, 16, 4)
+    # the promoted recipe (sync, lr 3e-6) + the stage's non-async overrides (2 prompts × 4 =
+    # 8 samples a step), at this stage's data: ceil(64 / 8) = 8 steps
+    assert (ref.mode, ref.optim.lr, ref.samples_per_step, ref.steps) == ("sync", 3e-6, 8, 8)
     cand = b.candidates[0][1]
     assert (cand.mode, cand.samples_per_step, cand.steps) == ("one_step", 8, 8)
     # without rerun_reference nothing is re-run
     plain, _ = _load([{"name": "a"}, {"name": "b", "samples": 64, "gates": [REF_GATE]}])
     assert stage_recipes(plain, plain.stages[1], promoted, {"a": promoted}).references == {}
+
+
+def test_rerun_reference_runs_the_stages_task_in_its_own_async_mode():
+    # seed-ladder's context stage: longer responses, bigger groups, harder prompts — the
+    # reference must run that task too, or the gates compare two different tasks
+    task = {"rollout": {"max_response_tokens": 24, "n": 8},
+            "task": {"difficulty_weights": {4: 1, 5: 2}}}
+    for stage_async in ({"async": {"mode": "one_step"}}, {"async.mode": "one_step"}):
+        campaign, base = _load([
+            {"name": "a"},
+            {"name": "b", "rerun_reference": True, "samples": 64,
+             "overrides": {**task, **stage_async}, "gates": [REF_GATE]}])
+        promoted = stage_recipes(campaign, campaign.stages[0], base, {}).candidates[0][1]
+        b = stage_recipes(campaign, campaign.stages[1], promoted.to_dict(),
+                          {"a": promoted.to_dict()})
+        ref, cand = b.references["a"], b.candidates[0][1]
+        for r in (ref, cand):
+            assert (r.rollout.max_response_tokens, r.rollout.n) == (24, 8)
+            assert r.to_dict()["task"]["difficulty_weights"] == {"4": 1.0, "5": 2.0}
+            assert r.samples_per_step == 32 and r.steps == 2  # 4 prompts × 8, ceil(64 / 32)
+        assert (ref.mode, cand.mode) == ("sync", "one_step")
+        assert promoted.rollout.max_response_tokens == 16  # the promoted recipe is unchanged
 
 
 @pytest.mark.parametrize(("stage", "message"), [

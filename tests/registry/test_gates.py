@@ -28,6 +28,7 @@ LEN = "rollout/response_length/mean"
 RLP = "rollout/logprob_mean"
 GN = "policy/grad_norm"
 ST = "async/staleness/max"
+REP = "rollout/repetition_rate"
 
 ALL_GATES = [
     "entropy_no_blowup", "eval_tracks_reward", "grad_norm_no_spike", "is_health",
@@ -138,6 +139,36 @@ def test_logprob_diff_flat_judges_the_rise_against_the_reference_rise():
     rising_ref = {LP: 0.008, f"{LP}/slope": 0.0004}
     r = evaluate_gate("logprob_diff_flat", steeper, reference=rising_ref)
     assert r.passed and "excess 0 ≤ 0.004" in r.evidence
+    assert "its slope over the same 9 steps" in r.evidence  # an old summary: slope × span
+
+
+def test_logprob_diff_flat_compares_total_rises_of_runs_of_different_lengths():
+    # a `samples` stage: the reference trains 10 steps of full batches and rises 0.006 → 0.0096
+    # (0.0004/step · 9 = 0.0036); a ¼-batch candidate sees the same samples over 40 steps and
+    # rises just as much in total (0.00009/step · 39 = 0.00351)
+    ref = summarize(hist({LP: [0.006 + 0.0004 * i for i in range(10)]}))
+    assert ref[f"{LP}/slope"] == pytest.approx(0.0004)
+    assert ref[f"{LP}/rise"] == pytest.approx(0.0036)  # its own span: 9 steps
+    # level over the last 3 of 10: (0.0088 + 0.0092 + 0.0096) / 3 = 0.0092
+    assert ref[LP] == pytest.approx(0.0092)
+    quarter = hist({LP: [0.006 + 0.00009 * i for i in range(40)]})
+    r = evaluate_gate("logprob_diff_flat", quarter, reference=ref)
+    # excess 0.00351 − 0.0036 < 0 ≤ 0.5 × 0.0092 = 0.0046; level 0.0092..0.0095 ≤ 1.5 × 0.0092
+    assert r.passed, r.evidence
+    assert "fitted rise 0.00351 over 39 steps vs the reference's 0.0036 (over its whole run)" \
+        in r.evidence
+    # the old rule stretched the reference's rise 4× (0.0004 · 39 = 0.0156), which let a
+    # candidate rise 3× the reference's total (0.00028/step · 39 = 0.01092) pass the rise check
+    worse = hist({LP: [0.006 + 0.00028 * i for i in range(40)]})
+    r = evaluate_gate("logprob_diff_flat", worse, reference=ref)
+    # excess 0.01092 − 0.0036 = 0.00732 > 0.0046: growing
+    assert not r.passed and "is growing" in r.evidence
+    assert r.value == pytest.approx(0.00732)
+    # a summary written before the rise key falls back to that stretched rise (max_ratio 10
+    # keeps the level check out of it: last 10 points average 0.01566)
+    old_summary = {k: v for k, v in ref.items() if not k.endswith("/rise")}
+    r = evaluate_gate("logprob_diff_flat", worse, {"max_ratio": 10.0}, reference=old_summary)
+    assert r.passed and "the reference's 0.0156 (its slope over the same 39 steps)" in r.evidence
 
 
 # ------------------------------------------------------------------------ entropy_no_blowup
@@ -308,28 +339,43 @@ def test_is_health_reports_each_source_and_names_the_failing_one():
 # ------------------------------------------------------------------------ is_weight_mean_band
 
 
+ER, SR = "is/engine/ratio/mean", "is/staleness/ratio/mean"
+
+
 def test_is_weight_mean_band_catches_seed_000s_engine_dips():
-    # the Fix-2 picture: the engine weight mean sits at 1.0 with dips to 0.992 on steps 3 and 7
+    # the Fix-2 picture: the engine ratio mean sits at 1.0 with dips to 0.992 on steps 3 and 7
     engine = [1.0, 0.999, 1.001, 0.992, 1.0, 1.0, 0.9995, 0.992, 1.0, 1.0]
-    rows = hist({"is/engine/weight_mean": engine, "is/staleness/weight_mean": [1.0] * 10})
+    rows = hist({ER: engine, SR: [1.0] * 10})
     r = evaluate_gate("is_weight_mean_band", rows)
     assert not r.passed and (r.value, r.threshold) == (2.0, 1.0)
-    assert "is/engine/weight_mean left [0.995, 1.005] on 2 of 10 steps" in r.evidence
+    assert "is/engine/ratio/mean left [0.995, 1.005] on 2 of 10 steps" in r.evidence
     assert "farthest 0.992 at step 3" in r.evidence and "(engine;" in r.evidence
-    assert "is/staleness/weight_mean stayed in [0.995, 1.005] on all 10 steps" in r.evidence
+    assert "is/staleness/ratio/mean stayed in [0.995, 1.005] on all 10 steps" in r.evidence
     # one dip is tolerated by default, none with max_steps 0; a wider band passes both
-    one = hist({"is/engine/weight_mean": [1.0] * 9 + [0.992]})
+    one = hist({ER: [1.0] * 9 + [0.992]})
     assert evaluate_gate("is_weight_mean_band", one).passed
     assert not evaluate_gate("is_weight_mean_band", one, {"max_steps": 0}).passed
     assert evaluate_gate("is_weight_mean_band", rows, {"delta": 0.01}).passed
 
 
 def test_is_weight_mean_band_catches_staleness_spikes_upwards():
-    rows = hist({"is/engine/weight_mean": [1.0] * 6,
-                 "is/staleness/weight_mean": [1.0, 1.02, 1.0, 1.03, 1.01, 1.0]})
+    rows = hist({ER: [1.0] * 6, SR: [1.0, 1.02, 1.0, 1.03, 1.01, 1.0]})
     r = evaluate_gate("is_weight_mean_band", rows)
     assert not r.passed and r.value == 3.0 and "(staleness;" in r.evidence
     assert "farthest 1.03 at step 3" in r.evidence
+
+
+def test_is_weight_mean_band_does_not_count_a_methods_rejections_as_dips():
+    # the Fix-2 candidate itself: engine IcePop rejects 2 % of tokens each step, so the weight
+    # mean (rejected tokens count 0) reads ≈ 0.98 while the raw ratio sits at 1
+    rows = hist({"is/engine/weight_mean": [0.98] * 8, ER: [1.0, 1.001, 0.999, 1.0] * 2,
+                 "is/engine/mask_frac": [0.02] * 8, SR: [1.0] * 8})
+    r = evaluate_gate("is_weight_mean_band", rows)
+    assert r.passed and "is/engine/ratio/mean stayed in [0.995, 1.005] on all 8 steps " \
+        "(range 0.999–1.001)" in r.evidence
+    # only the weight mean logged (a run without the ratio tails): nothing to judge
+    r = evaluate_gate("is_weight_mean_band", hist({"is/engine/weight_mean": [0.98] * 8}))
+    assert r.passed and "is/engine/ratio/mean or is/staleness/ratio/mean" in r.evidence
 
 
 # ------------------------------------------------------------------------ pg_clipfrac
@@ -493,6 +539,24 @@ def test_staleness_gate_judges_the_dropped_fraction_when_drops_are_configured():
     assert not evaluate_gate("staleness_within_bound", hist({ST: [1, 2]}),
                              {"require_data": True},
                              context={"max_staleness": 2, "max_off_policy_steps": 2}).passed
+
+
+def test_staleness_gate_with_drops_still_checks_an_explicit_bound():
+    # drops configured at max_off_policy_steps 2, few dropped; an explicit max_staleness 1 is
+    # the user's tighter bound, which the drops do not enforce: the peak 2 fails it
+    run = hist({ST: [1, 2, 2, 1], "async/dropped_stale_frac": [0.0, 0.02, 0.05, 0.05]})
+    ctx = {"max_staleness": 2, "max_off_policy_steps": 2}
+    assert evaluate_gate("staleness_within_bound", run, context=ctx).passed
+    r = evaluate_gate("staleness_within_bound", run, {"max_staleness": 1}, context=ctx)
+    assert not r.passed and (r.value, r.threshold) == (2.0, 1.0)
+    assert "few enough samples dropped" in r.evidence and "(bound 2)" in r.evidence
+    assert "peaked at 2 (step 1) > the bound 1 from max_staleness parameter" in r.evidence
+    # a bound the peak meets, with too many drops: fails on the drops
+    many = hist({ST: [1, 2, 2, 1], "async/dropped_stale_frac": [0.0, 0.2, 0.3, 0.4]})
+    r = evaluate_gate("staleness_within_bound", many, {"max_staleness": 2}, context=ctx)
+    assert not r.passed and (r.value, r.threshold) == (0.4, 0.25)
+    assert "≤ the bound 2 from max_staleness parameter" in r.evidence
+    assert evaluate_gate("staleness_within_bound", run, {"max_staleness": 2}, context=ctx).passed
 
 
 # ------------------------------------------------------------------------ unmet_requirement
@@ -667,6 +731,7 @@ def test_summarize_arithmetic():
     # Σ(x−x̄)(y−ȳ) = 2.5·0.005 + 3.5·0.025 − 0.005·(−3.5 − 2.5 − 1.5 − 0.5 + 0.5 + 1.5) = 0.13,
     # Σ(x−x̄)² = 42 → 0.13 / 42
     assert s[f"{LP}/slope"] == pytest.approx(0.13 / 42)
+    assert s[f"{LP}/rise"] == pytest.approx(0.13 / 42 * 7)  # × its own span, steps 0–7
     assert "time" not in s and "step" not in s and "step/eval_only" not in s
     assert summarize(rows, tail=0.5)[LP] == pytest.approx((0.01 + 0.01 + 0.02 + 0.04) / 4)
     assert summarize([]) == {}
@@ -731,7 +796,10 @@ def test_diagnosis_for_an_inexact_engine_gap_is_unseparated_not_a():
 
 
 def test_diagnosis_for_rising_proxy3_names_d():
-    rows = hist({"policy/proxy3_pure_noise": [1.0, 1.0, 1.1, 1.2, 2.0, 3.0, 3.5, 4.0]})
+    noise = [1.0, 1.0, 1.1, 1.2, 2.0, 3.0, 3.5, 4.0]
+    # no IS weight applied: seed 001's "rises after enabling IS" does not apply
+    assert diagnosis_for(hist({"policy/proxy3_pure_noise": noise}))["causes"] == []
+    rows = hist({"policy/proxy3_pure_noise": noise, "is/combined/weight_mean": [1.0] * 8})
     d = diagnosis_for(rows)
     # quarters of 8 points: (3.5 + 4.0) / 2 = 3.75 vs (1.0 + 1.0) / 2 = 1.0 → 3.75 > 1.5
     assert d["causes"] == ["D"]
@@ -739,7 +807,26 @@ def test_diagnosis_for_rising_proxy3_names_d():
         "policy/proxy3_pure_noise last/first quarter = 3.75 > 1.5"]
     assert d["findings"][0]["override"]["algorithm.correction"]["name"] == \
         "decoupled_token_icepop"
-    assert diagnosis_for(hist({"policy/proxy3_pure_noise": [1.0] * 8}))["causes"] == []
+    assert diagnosis_for(hist({"policy/proxy3_pure_noise": [1.0] * 8,
+                               "is/combined/weight_mean": [1.0] * 8}))["causes"] == []
+
+
+def test_diagnosis_for_skips_gates_whose_default_needs_a_reference():
+    # the embedded task's zero-variance fraction (0.6) is above seed 000's absolute 0.45 from
+    # the start: evaluated at defaults it would fail every run, so diagnosis leaves it out
+    zv = "rollout/zero_variance_group_frac"
+    rows = hist({zv: [0.6] * 8, RW: [0.5] * 8})
+    assert not evaluate_gate("zero_variance_groups", rows).passed
+    d = diagnosis_for(rows)
+    assert d["failed_gates"] == [] and d["causes"] == []
+    assert [g["name"] for g in d["skipped_gates"]] == ["zero_variance_groups"]
+    assert "0.53–0.70" in d["skipped_gates"][0]["why"]
+    assert d["summary"] == ("no decision-tree cause matched and every default gate passes. Not "
+                            "judged without a reference: zero_variance_groups (give it "
+                            "relative_to a baseline in a campaign).")
+    # repetition_rate compares with the run's own start, so it is still judged
+    d = diagnosis_for(hist({REP: [0.1, 0.1, 0.5, 0.5]}))
+    assert [g["name"] for g in d["failed_gates"]] == ["repetition_rate"]
 
 
 def test_diagnosis_for_runs_the_decision_tree_on_last_window_means():

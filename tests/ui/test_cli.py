@@ -34,12 +34,13 @@ def test_algorithms_list_names_every_family():
 
 def test_diagnose_command(tmp_path):
     f = tmp_path / "m.json"
-    f.write_text(json.dumps({"mismatch/probs_pearson": 0.9, "mismatch/kl_k1": 0.01,
+    f.write_text(json.dumps({"mismatch/engine/probs_pearson": 0.9,
+                             "mismatch/engine/kl_k1": 0.01, "mismatch/engine/exact": 1.0,
                              "rollout/response_length/mean": [100, 100, 140]}))
     res = runner.invoke(app, ["algorithms", "diagnose", str(f)])
     assert res.exit_code == 0, res.output
     assert "Cause A" in res.stdout and "Cause F" in res.stdout
-    assert "mismatch/probs_pearson = 0.9 < 0.95" in res.stdout
+    assert "mismatch/engine/probs_pearson = 0.9 < 0.95" in res.stdout
 
 
 def test_diagnose_bad_input_is_one_line_error(tmp_path):
@@ -51,6 +52,6 @@ def test_diagnose_bad_input_is_one_line_error(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 and res.exception.__class__ is SystemExit
     res = runner.invoke(app, ["algorithms", "diagnose", str(tmp_path / "missing.json")])
     assert res.exit_code == 1 and "is not a file" in res.stderr
-    bad.write_text('{"mismatch/kl_k1": "high"}')
+    bad.write_text('{"mismatch/engine/kl_k1": "high"}')
     res = runner.invoke(app, ["algorithms", "diagnose", str(bad)])
     assert res.exit_code == 1 and "must be a number" in res.stderr

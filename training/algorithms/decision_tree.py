@@ -18,13 +18,22 @@ Causes, and the decomposed metrics each reads (names of the learner, docs/contra
        |Δlogp| stays flat.
     C  moderate token drift                  χ²_token > 0.3 with ESS ≥ 0.5
     D  IS variance blow-up                   χ²_token > 1, χ²_seq explodes, ESS < 0.5, or
-                                             ``policy/proxy3_pure_noise`` rising
+                                             ``policy/proxy3_pure_noise`` rising while an IS
+                                             weight is applied (``is/combined/weight_mean``
+                                             logged; seed 001: "rises after enabling IS")
     E  PPO clip saturation                   pg_clipfrac > 0.2 and rising
     F  optimizer amplification               response length +20% within 100 steps
 
 χ²_token/χ²_seq are read from ``mismatch/train_rollout/*`` (π_current vs μ: everything a correction
 must cover), the ESS and mask fraction from the IS weight actually applied (``is/combined/*``),
 else the engine source's.
+
+The proxy-3 branch rarely fires on our stack. With verl's definitions (docs/contract of issue 14)
+proxy1 is the parameter-space ‖ḡ‖² (the pre-clip grad norm², averaged over the step's optimizer
+steps) and proxy2 the logit-space E[ρ̄² Ā² W]; the two live in different spaces and proxy1 is
+usually the larger, so proxy3 = max(0, (proxy2 − proxy1)/(N − 1)) clamps at 0. On the embedded
+stack it was 0 on every step measured (e.g. proxy1 5–25 vs proxy2 0.9–1.7): a flat 0 has no
+"rise", so D comes from χ² and ESS there, not from proxy 3.
 
 Where the seed leaves a number open ("ppl_ratio far from 1", "probs_diff_max large", "χ²_seq
 explodes", "rising") this module picks one, named in :class:`Thresholds`; change it there.
@@ -43,30 +52,30 @@ TRAIN_ROLLOUT_DIFF = "mismatch/train_rollout/logprob_abs_diff/mean"
 ENGINE_DIFF = "mismatch/engine/logprob_abs_diff/mean"
 
 # For each quantity, the metric keys it may appear under (first present wins): the learner's
-# names first (issue 14's contract), then the bare ``mismatch/*`` of the zero-staleness check
-# (training.engines.mismatch: same checkpoint, so pure engine mismatch), then verl's, so a verl
-# dashboard export can be diagnosed too. The bare names and verl's rollout_corr/* compare the two
-# engines on the weights both claim to use, so they count as same-weights agreement (seed 001
-# step 1a) without an exactness flag.
+# names first (issue 14's contract; the zero-staleness check, training.engines.mismatch, logs the
+# same mismatch/engine/* with mismatch/engine/exact = 1), then verl's, so a verl dashboard export
+# can be diagnosed too. The old bare mismatch/<stat> names were renamed, not aliased (contract),
+# so they are not read. verl's rollout_corr/* and training/* compare the two engines on the
+# weights both claim to use, so they count as same-weights agreement (seed 001 step 1a) without
+# an exactness flag.
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
-    "pearson": ("mismatch/engine/probs_pearson", "mismatch/probs_pearson",
-                "training/rollout_actor_probs_pearson_corr"),
-    "probs_diff_max": ("mismatch/engine/probs_abs_diff/max", "mismatch/probs_abs_diff/max",
-                       "training/rollout_probs_diff_max"),
-    "ppl_ratio": ("mismatch/engine/ppl_ratio", "mismatch/ppl_ratio", "rollout_corr/ppl_ratio"),
-    "kl": ("mismatch/engine/kl_k1", "mismatch/kl_k1", "rollout_corr/kl"),
+    "pearson": ("mismatch/engine/probs_pearson", "training/rollout_actor_probs_pearson_corr"),
+    "probs_diff_max": ("mismatch/engine/probs_abs_diff/max", "training/rollout_probs_diff_max"),
+    "ppl_ratio": ("mismatch/engine/ppl_ratio", "rollout_corr/ppl_ratio"),
+    "kl": ("mismatch/engine/kl_k1", "rollout_corr/kl"),
     "drift_pearson": ("mismatch/train_rollout/probs_pearson",),
     "drift_kl": ("mismatch/train_rollout/kl_k1",),
     "staleness_kl": ("is/staleness/kl_k1",),
     "staleness_ratio_p99": ("is/staleness/ratio/p99",),
     "chi2_token": ("mismatch/train_rollout/chi2_token", "mismatch/engine/chi2_token",
-                   "mismatch/chi2_token", "rollout_corr/chi2_token"),
+                   "rollout_corr/chi2_token"),
     "chi2_seq": ("mismatch/train_rollout/chi2_seq", "mismatch/engine/chi2_seq",
-                 "mismatch/chi2_seq", "rollout_corr/chi2_seq"),
+                 "rollout_corr/chi2_seq"),
     "ess": ("is/combined/ess", "is/engine/ess", "rollout_corr/rollout_is_eff_sample_size"),
     "pg_clipfrac": ("policy/pg_clipfrac", "actor/pg_clipfrac"),
     "response_length": ("rollout/response_length/mean", "response_length/mean"),
     "proxy3_pure_noise": ("policy/proxy3_pure_noise", "proxy3_pure_noise"),
+    "is_weight_mean": ("is/combined/weight_mean",),
     "mask_frac": ("is/combined/mask_frac", "is/engine/mask_frac",
                   "rollout_corr/rollout_rs_masked_fraction"),
     "train_rollout_diff": (TRAIN_ROLLOUT_DIFF,),
@@ -333,7 +342,9 @@ def diagnose(
     if ess and ess[1] < t.ess_min:
         add("D", Evidence(ess[0], ess[1], "<", t.ess_min))
     noise = series("proxy3_pure_noise")
-    if noise:
+    # seed 001: "proxy3_pure_noise rises after enabling IS" — a rise is the IS weights' variance
+    # only when an IS weight is applied (is/combined/* is logged only then).
+    if noise and _get(metrics, "is_weight_mean") is not None:
         first, last = _quarter_means(noise[1])
         if first > 0 and last > t.proxy3_rise_ratio * first:
             add("D", Evidence(f"{noise[0]} last/first quarter", last / first, ">",

@@ -2,10 +2,15 @@ import pytest
 
 from training.algorithms.decision_tree import Thresholds, diagnose, prescription
 
+# the learner's names (issue 14): exact engine metrics (snapshot or sync), the train–rollout
+# χ², the IS weight actually applied
 HEALTHY = {
-    "mismatch/probs_pearson": 0.995, "mismatch/ppl_ratio": 1.01, "mismatch/kl_k1": 0.005,
-    "mismatch/chi2_token": 0.05, "is/combined/ess": 0.95, "policy/pg_clipfrac": 0.02,
+    "mismatch/engine/probs_pearson": 0.995, "mismatch/engine/ppl_ratio": 1.01,
+    "mismatch/engine/kl_k1": 0.005, "mismatch/engine/exact": 1.0,
+    "mismatch/train_rollout/chi2_token": 0.05, "is/combined/ess": 0.95,
+    "is/combined/weight_mean": 1.0, "policy/pg_clipfrac": 0.02,
 }
+CHI2 = "mismatch/train_rollout/chi2_token"
 
 
 def test_healthy_run():
@@ -14,10 +19,11 @@ def test_healthy_run():
 
 
 def test_cause_a_low_pearson_with_evidence():
-    d = diagnose({**HEALTHY, "mismatch/probs_pearson": 0.9})
+    d = diagnose({**HEALTHY, "mismatch/engine/probs_pearson": 0.9})
     assert d.causes == ("A",) and not d.healthy
     ev = d.findings[0].evidence[0]
-    assert (ev.metric, ev.value, ev.op, ev.threshold) == ("mismatch/probs_pearson", 0.9, "<", 0.95)
+    assert (ev.metric, ev.value, ev.op, ev.threshold) == ("mismatch/engine/probs_pearson", 0.9,
+                                                          "<", 0.95)
     assert "precision" in d.findings[0].fix.lower()
     assert d.escalation == "systems_fix"
 
@@ -35,15 +41,25 @@ def test_cause_b_staleness():
 
 
 def test_cause_c_vs_d_split_on_ess():
-    assert diagnose({**HEALTHY, "mismatch/chi2_token": 0.5}).causes == ("C",)
-    d = diagnose({**HEALTHY, "mismatch/chi2_token": 0.5, "is/combined/ess": 0.4})
+    assert diagnose({**HEALTHY, CHI2: 0.5}).causes == ("C",)
+    d = diagnose({**HEALTHY, CHI2: 0.5, "is/combined/ess": 0.4})
     assert d.causes == ("D",)
-    assert diagnose({**HEALTHY, "mismatch/chi2_token": 1.5}).causes == ("D",)
+    assert diagnose({**HEALTHY, CHI2: 1.5}).causes == ("D",)
 
 
 def test_cause_d_rising_noise_from_history():
     d = diagnose(HEALTHY, history={"policy/proxy3_pure_noise": [0.1, 0.2, 0.4]})
     assert d.causes == ("D",)
+    assert str(d.findings[0].evidence[0]) == \
+        "policy/proxy3_pure_noise last/first quarter = 4 > 1.5"
+
+
+def test_rising_noise_without_an_applied_is_weight_is_not_d():
+    # seed 001: "proxy3_pure_noise rises after enabling IS" — with no IS weight applied
+    # (is/combined/* absent: correction none) the rise says nothing about IS variance
+    no_is = {k: v for k, v in HEALTHY.items() if not k.startswith("is/combined/")}
+    d = diagnose(no_is, history={"policy/proxy3_pure_noise": [0.1, 0.2, 0.4]})
+    assert d.causes == () and d.healthy
 
 
 def test_cause_e_needs_rising_clipfrac_when_history_given():
@@ -61,22 +77,23 @@ def test_cause_f_length_surge_within_window():
 
 
 def test_thresholds_are_overridable_and_missing_reported():
-    d = diagnose({"mismatch/probs_pearson": 0.97}, thresholds=Thresholds(pearson_broken=0.98))
+    d = diagnose({"mismatch/engine/probs_pearson": 0.97, "mismatch/engine/exact": 1.0},
+                 thresholds=Thresholds(pearson_broken=0.98))
     assert d.causes == ("A",)
     assert "kl" in d.missing and "pg_clipfrac" in d.missing
 
 
 def test_escalation_ladder():
-    assert diagnose({**HEALTHY, "mismatch/chi2_token": 3.0}).escalation == "rs_plus_token_tis"
-    assert diagnose({**HEALTHY, "mismatch/chi2_token": 5.0}).escalation == "systems_fix"
+    assert diagnose({**HEALTHY, CHI2: 3.0}).escalation == "rs_plus_token_tis"
+    assert diagnose({**HEALTHY, CHI2: 5.0}).escalation == "systems_fix"
     assert diagnose({**HEALTHY, "is/combined/mask_frac": 0.3}).escalation == "systems_fix"
 
 
 def test_cause_a_probs_diff_max_and_ppl_ratio_branches():
-    d = diagnose({**HEALTHY, "mismatch/probs_abs_diff/max": 0.7})
+    d = diagnose({**HEALTHY, "mismatch/engine/probs_abs_diff/max": 0.7})
     assert d.causes == ("A",)
-    assert d.findings[0].evidence[0].metric == "mismatch/probs_abs_diff/max"
-    d = diagnose({**HEALTHY, "mismatch/ppl_ratio": 0.9})
+    assert d.findings[0].evidence[0].metric == "mismatch/engine/probs_abs_diff/max"
+    d = diagnose({**HEALTHY, "mismatch/engine/ppl_ratio": 0.9})
     ev = d.findings[0].evidence[0]
     assert d.causes == ("A",) and (ev.op, ev.threshold) == ("<", 0.95)
 
@@ -87,9 +104,16 @@ def test_cause_f_from_verl_length_name():
 
 
 def test_c_survives_an_unrelated_d_trigger():
-    d = diagnose({**HEALTHY, "mismatch/chi2_token": 0.5},
+    d = diagnose({**HEALTHY, CHI2: 0.5},
                  history={"policy/proxy3_pure_noise": [0.1, 0.3]})
     assert d.causes == ("C", "D")
+
+
+def test_the_old_bare_mismatch_names_are_not_read():
+    # renamed to mismatch/engine/* (issue 14's contract), not aliased
+    d = diagnose({"mismatch/probs_pearson": 0.5, "mismatch/kl_k1": 0.9,
+                  "mismatch/chi2_token": 9.0})
+    assert d.causes == () and {"pearson", "kl", "chi2_token"} <= set(d.missing)
 
 
 def test_empty_batch_from_real_modules_is_not_drift():
