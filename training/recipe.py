@@ -715,7 +715,7 @@ class AlgorithmConfig(_Strict):
         return self
 
 
-def refused_combination(old_logprob: str, correction: Any) -> str | None:
+def refused_combination(old_logprob: str, correction: CorrectionSpec) -> str | None:
     """Why a correction cannot work with an old-log-prob strategy (one line with the fix), or
     None. Bypass has π_prox = π_old = μ, so every ratio these corrections form is 1; loglinear
     has π_old = μ, so the clip of decoupled_mis would sit on the rollout log-probs."""
@@ -976,7 +976,9 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
     """Deep-merge ``overrides`` into a copy of ``data``. Keys may be dotted (``async.mode``).
     A mapping merges into a mapping (or fills a missing or null one); any other value replaces.
     Changing a discriminator (``async.mode``, ``algorithm.correction.kind``) drops the old
-    variant's other fields that the new variant does not accept.
+    variant's other fields that the new variant does not accept; a mapping that names another
+    preset (``algorithm.correction: {name: ...}``) drops the old preset's ``args`` (the new
+    mapping's own args, if any, are the new preset's).
 
     Both are copied by :func:`training.yamlfile.plain_copy` first (integer keys become strings,
     as they would through JSON): anything but plain data, a cycle, or more data than an alias
@@ -1014,6 +1016,10 @@ def _merge(base: dict[str, Any], new: dict[str, Any], path: str) -> dict[str, An
     if tag is not None:  # switching variant: start from the new one
         return new
     out = dict(base)
+    if base.get("kind") == "preset" and "name" in new and new["name"] != base.get("name"):
+        # another preset takes other constructor args: the old preset's must not merge into
+        # the new one's (a prescription's preset would be refused for the old preset's args)
+        out.pop("args", None)
     for k, v in new.items():
         if isinstance(v, dict) and out.get(k) is not None:
             out[k] = _merge(_section(out, k, f"{path}.{k}"), v, f"{path}.{k}")

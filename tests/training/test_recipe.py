@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from training.algorithms.decision_tree import prescription
 from training.algorithms.policy_loss import POLICY_LOSSES
 from training.recipe import (
     CompISCorrection,
@@ -186,6 +187,27 @@ def test_override_switches_the_correction_variant():
     assert r.algorithm.correction.engine.method == "none"
 
 
+def test_a_prescribed_preset_replaces_the_old_presets_args(tmp_path):
+    """Seed 001's fix for cause B names another preset with its own args: the old preset's args
+    do not carry over into it (decoupled_geo_rs_seq_tis has no argument threshold)."""
+    path = _write(tmp_path, "algorithm:\n  correction:\n    kind: preset\n"
+                  "    name: decoupled_token_is\n    args: {threshold: 3}\n")
+    r = load_recipe(path, prescription("B"))
+    c = r.algorithm.correction
+    assert c.name == "decoupled_geo_rs_seq_tis"
+    assert c.args == {"is_threshold": 2.0, "rs_threshold": "0.99_1.01"}
+    # a new name without args: the new preset's defaults
+    r = load_recipe(path, {"algorithm": {"correction": {"name": "decoupled_geo_rs"}}})
+    assert r.algorithm.correction.name == "decoupled_geo_rs" and r.algorithm.correction.args == {}
+    # the same name: args still merge key by key
+    r = load_recipe(path, {"algorithm": {"correction": {"name": "decoupled_token_is"}}})
+    assert r.algorithm.correction.args == {"threshold": 3}
+    two = _write(tmp_path, "algorithm:\n  correction:\n    kind: preset\n"
+                 "    name: decoupled_geo_rs_seq_tis\n    args: {is_threshold: 3}\n", "two.yaml")
+    r = load_recipe(two, {"algorithm.correction": {"args": {"rs_threshold": "0.9_1.1"}}})
+    assert r.algorithm.correction.args == {"is_threshold": 3, "rs_threshold": "0.9_1.1"}
+
+
 # --- hashing -------------------------------------------------------------------------------------
 
 
@@ -333,7 +355,8 @@ def test_shipped_recipe_hashes_are_unchanged():
         "fully_async-moe": "96211469d169d5e5", "fully_async": "f753da09696f08ce",
         "one_step-moe": "ba1800e260e9380c", "one_step": "6515d15c4a52cfde",
         "sync-megatron": "c07036e23d5d3aa0", "sync-moe": "c91587d3d0f1a85b",
-        "sync": "d4380df48cc2e5a5"}
+        "sync": "d4380df48cc2e5a5", "stress-fully_async": "3ee20f243061f8c2",
+        "stress-one_step": "537f58661b6ffbf8", "stress-sync": "8b1fc2cb22d5851a"}
     assert Recipe().hash() == "ea36c3d781b604d7"
 
 

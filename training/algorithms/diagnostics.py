@@ -61,7 +61,11 @@ from __future__ import annotations
 
 import torch
 
-from training.algorithms.is_correction import CompISConfig, compute_compis_weights
+from training.algorithms.is_correction import (
+    CompISConfig,
+    compute_compis_weights,
+    compute_is_correction,
+)
 from training.algorithms.masked import (
     LOG_RATIO_BOUND,
     as_bool_mask,
@@ -182,21 +186,34 @@ def compute_off_policy_diagnostics(
     response_mask: torch.Tensor,
     entropy: torch.Tensor | None = None,
     compis: CompISConfig | None = None,
+    *,
+    current_log_prob: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Everything one decoupled train step can measure before the loss.
+    """Everything one decoupled train step can measure before the loss, under the learner's
+    names (issue 14's contract).
 
-    π_prox vs μ under ``mismatch/train_rollout/*`` (π_prox is π_current under recompute and
-    snapshot), engine mismatch (π_old vs μ) under ``mismatch/engine/*``; per-source IS weight
-    statistics of CompIS under ``is/staleness/*`` and ``is/engine/*``; M2PO's second-moment
-    percentiles of the full behaviour gap (π_prox vs μ) under ``rs/m2po/*`` (the mask itself is
-    not applied here).
+    ``mismatch/train_rollout/*``: π_current vs μ (``current_log_prob``; None = π_prox, which is
+    π_current under the recompute and snapshot strategies — pass it under ewma and loglinear,
+    where π_prox is the EWMA reference or the A-3PO interpolation). ``mismatch/engine/*``: π_old
+    vs μ. ``is/staleness/*``: the measured π_current/π_old with CompIS's staleness method;
+    ``is/engine/*``: π_old/μ with its engine method; ``is/combined/*``: the weight CompIS would
+    apply, f_s(π_prox/π_old)·f_e(π_old/μ). ``rs/m2po/*``: M2PO's second-moment percentiles of
+    π_prox vs μ (the mask itself is not applied here).
+
+    No ``mismatch/engine/exact``: whether π_old is the exact behaviour version needs each
+    token's version and the strategy, which only the learner has (``Learner._old_is_exact``).
     """
-    metrics = compute_mismatch_metrics(proximal_log_prob, rollout_log_prob, response_mask,
-                                       entropy, prefix="mismatch/train_rollout/")
+    current = proximal_log_prob if current_log_prob is None else current_log_prob
+    cfg = compis or CompISConfig()
+    metrics = compute_mismatch_metrics(current, rollout_log_prob, response_mask, entropy,
+                                       prefix="mismatch/train_rollout/")
     metrics.update(compute_mismatch_metrics(old_log_prob, rollout_log_prob, response_mask,
                                             prefix="mismatch/engine/"))
     metrics.update(compute_compis_weights(proximal_log_prob, old_log_prob, rollout_log_prob,
-                                          response_mask, compis).metrics)
+                                          response_mask, cfg).metrics)
+    if current_log_prob is not None:  # CompIS's own staleness ratio is π_prox/π_old
+        metrics.update(compute_is_correction(current, old_log_prob, response_mask,
+                                             cfg.staleness, prefix="is/staleness/").metrics)
     metrics.update(m2po_mask(proximal_log_prob, rollout_log_prob, response_mask).metrics)
     return metrics
 

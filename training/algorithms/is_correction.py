@@ -254,7 +254,10 @@ def compute_compis_weights(
         config: per-source methods and bounds.
     Returns:
         :class:`CompISWeights`; metrics under ``is/staleness/*`` and ``is/engine/*`` plus
-        ``is/combined/{weight_mean,ess,mask_frac}``.
+        ``is/combined/{weight_mean,ess,mask_frac}``. Its ``is/staleness/*`` is CompIS's own
+        factor π_prox/π_old (≡ 1 when π_prox = π_old, as under the ewma strategy); the learner
+        logs the measured π_current/π_old under that name instead and takes only
+        ``is/combined/*`` from here (issue 14's contract).
     """
     cfg = config or CompISConfig()
     valid = as_bool_mask(response_mask)

@@ -101,7 +101,16 @@ from training.algorithms.rollout_correction import (
     compute_rollout_correction_and_rejection_mask,
 )
 from training.engines.train import OptimConfig, SnapshotUnavailableError, TokenBatch, TrainEngine
-from training.recipe import Recipe
+from training.recipe import (
+    CompISCorrection,
+    CorrectionSpec,
+    DecoupledCorrection,
+    DecoupledMISCorrection,
+    NoCorrection,
+    PresetCorrection,
+    Recipe,
+    SourceSpec,
+)
 from training.runtime.types import Group, Sample
 
 __all__ = [
@@ -359,10 +368,12 @@ class AppliedCorrection:
 
     weights: (B, T) detached IS weights the loss multiplies by, or None.
     keep: (B, T) tokens kept.
-    metrics: ``is/combined/*`` of the applied weight (every kind that applies one; the AReaL
-        ``decoupled`` kind all of :func:`compute_is_correction`'s keys there), ``rollout_corr/*``
-        of a decoupled preset. The per-source ratios (``is/staleness/*``, ``is/engine/*``) are
-        measured elsewhere, on π_current/π_old and π_old/μ, whatever the kind.
+    metrics: ``is/combined/*`` of the applied weight (every kind that applies one or masks: a
+        decoupled preset with rejection sampling only counts as weight 1 on its kept tokens; the
+        AReaL ``decoupled`` kind all of :func:`compute_is_correction`'s keys there),
+        ``rollout_corr/*`` of a decoupled preset. The per-source ratios (``is/staleness/*``,
+        ``is/engine/*``) are measured elsewhere, on π_current/π_old and π_old/μ, whatever the
+        kind.
     engine_rejects: whether the kind can reject tokens by their π_prox/μ ratio with a mask (the
         train–inference mask of the EWMA reset, where π_prox = π_old).
     """
@@ -373,11 +384,11 @@ class AppliedCorrection:
     engine_rejects: bool
 
 
-def _source(spec: Any) -> SourceCorrection:
+def _source(spec: SourceSpec) -> SourceCorrection:
     return SourceCorrection(spec.method, spec.lower, spec.upper)
 
 
-def apply_correction(correction: Any, preset: RolloutCorrectionConfig | None,
+def apply_correction(correction: CorrectionSpec, preset: RolloutCorrectionConfig | None,
                      proximal: torch.Tensor, old: torch.Tensor, mu: torch.Tensor,
                      mask: torch.Tensor) -> AppliedCorrection:
     """The IS weights and kept tokens of ``algorithm.correction`` (a recipe correction spec).
@@ -394,37 +405,46 @@ def apply_correction(correction: Any, preset: RolloutCorrectionConfig | None,
     decoupled_mis         f_e(π_old/μ); the caller passes π_prox = π_old (seed 003 Eq. 4)
     ====================  =================================================================
 
-    ``preset`` is the built preset config (kind ``preset`` only).
+    ``preset`` is the built preset config (kind ``preset`` only). ``is/combined/*`` is logged for
+    every kind but none and the bypass presets, a decoupled preset with rejection sampling only
+    included (weight 1 on the tokens it keeps).
     """
     valid = mask.bool()
-    kind = correction.kind
-    if kind == "none" or (kind == "preset" and preset is not None and preset.bypass_mode):
+    if isinstance(correction, NoCorrection) or (
+            isinstance(correction, PresetCorrection) and preset is not None
+            and preset.bypass_mode):
         return AppliedCorrection(None, valid.clone(), {}, False)
     metrics: dict[str, float] = {}
-    if kind == "compis":
+    weights: torch.Tensor | None
+    if isinstance(correction, CompISCorrection):
         res = compute_compis_weights(proximal, old, mu, valid, CompISConfig(
             staleness=_source(correction.staleness), engine=_source(correction.engine)))
+        # only the applied weight (is/combined/*, below): CompIS's own is/staleness/* is
+        # π_prox/π_old, ≡ 1 under ewma (π_prox = π_old); the contract's measured π_current/π_old
+        # with CompIS's methods comes from Learner._diagnostics and must not be overwritten
         weights, keep = res.weight, res.keep_mask
         rejects = correction.engine.method in ("cap", "icepop")
-    elif kind == "decoupled_mis":
+    elif isinstance(correction, DecoupledMISCorrection):
         res1 = compute_is_correction(old, mu, valid, _source(correction.engine))
         weights, keep = res1.weight, res1.keep_mask
         rejects = correction.engine.method in ("cap", "icepop")
-    elif kind == "decoupled":
+    elif isinstance(correction, DecoupledCorrection):
         cap = correction.behaviour_weight_cap
         method = SourceCorrection("none") if cap is None else SourceCorrection("cap", upper=cap)
         res1 = compute_is_correction(proximal, mu, valid, method, prefix="is/combined/")
         weights, keep = res1.weight, res1.keep_mask
         metrics.update(res1.metrics)
         rejects = cap is not None
-    elif kind == "preset":
+    elif isinstance(correction, PresetCorrection):
         assert preset is not None
         weights, keep, metrics = compute_rollout_correction_and_rejection_mask(
             proximal, mu, valid, preset)
         rejects = preset.rollout_rs is not None or preset.uses_icepop
     else:
-        raise ValueError(f"unknown correction kind {kind!r}")
-    if weights is not None:
+        raise ValueError(f"unknown correction kind {correction.kind!r}")
+    # a preset with rejection sampling only applies weight 1 on the tokens it keeps: its mask
+    # must still reach is/combined/* (is_health and the decision tree read it there)
+    if weights is not None or isinstance(correction, PresetCorrection):
         metrics.update(applied_weight_metrics(weights, keep, valid))
     return AppliedCorrection(weights, keep, metrics, rejects)
 
@@ -908,7 +928,8 @@ class Learner:
         return m
 
     @staticmethod
-    def _source_method(correction: Any, source: str, kinds: tuple[str, ...]) -> SourceCorrection:
+    def _source_method(correction: CorrectionSpec, source: str, kinds: tuple[str, ...]
+                       ) -> SourceCorrection:
         """The correction's method for ``source`` when its kind applies it, else ``none``."""
         spec = getattr(correction, source, None)
         if correction.kind not in kinds or spec is None:

@@ -148,6 +148,27 @@ def test_off_policy_diagnostics_tell_the_sources_apart():
         ("mismatch/train_rollout/", "mismatch/engine/")) for k in m)
 
 
+def test_off_policy_diagnostics_read_train_rollout_off_the_current_policy():
+    """Under ewma / loglinear π_prox is not π_current: train_rollout and the measured staleness
+    follow π_current (the contract), the applied CompIS weight and M2 follow π_prox."""
+    mu = torch.full((1, 3), -2.0, dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    m = compute_off_policy_diagnostics(mu + 0.3, mu + 0.1, mu, mask, current_log_prob=mu + 0.5)
+    assert m["mismatch/train_rollout/logprob_abs_diff/mean"] == pytest.approx(0.5)
+    assert m["mismatch/engine/logprob_abs_diff/mean"] == pytest.approx(0.1)
+    assert m["is/staleness/ratio/mean"] == pytest.approx(math.exp(0.4))
+    assert m["is/engine/ratio/mean"] == pytest.approx(math.exp(0.1))
+    # CompIS's weight f_s(π_prox/π_old) · f_e(π_old/μ) = e^0.2 · e^0.1 (cap 5, engine none)
+    assert m["is/combined/weight_mean"] == pytest.approx(math.exp(0.3))
+    assert m["rs/m2po/m2/max"] == pytest.approx(0.3 ** 2)  # (log π_prox − log μ)²
+    assert "mismatch/engine/exact" not in m  # needs the token versions: the learner's
+    # default: π_current = π_prox (recompute, snapshot)
+    same = compute_off_policy_diagnostics(mu + 0.3, mu + 0.1, mu, mask)
+    assert same["mismatch/train_rollout/logprob_abs_diff/mean"] == pytest.approx(0.3)
+    assert same == compute_off_policy_diagnostics(mu + 0.3, mu + 0.1, mu, mask,
+                                                  current_log_prob=mu + 0.3)
+
+
 def test_variance_proxies_hand_computed():
     # 2 sequences, vocab-free inputs: π_t(y_t) and Σ_v π_v² per token
     #   seq 0: π = [0.5, 0.25], Σπ² = [0.5, 0.375]  → W = (1 − 1 + .5) + (1 − .5 + .375) = 1.375

@@ -164,6 +164,25 @@ def test_decoupled_preset_under_snapshot_weighs_the_lag():
     assert stale_blind.metrics["is/combined/weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
+def test_decoupled_rejection_only_preset_reports_its_mask_as_the_applied_weight():
+    """A preset with RS and no IS weight still logs is/combined/* (weight 1 on the kept tokens),
+    so is_health and the decision tree see its mask."""
+    spec = recipe_from_dict({"algorithm": {"correction": {
+        "kind": "preset", "name": "decoupled_geo_rs",
+        "args": {"rs_threshold": "0.99_1.01"}}}}).algorithm.correction
+    preset = PRESETS["decoupled_geo_rs"](**spec.args)
+    out = apply_correction(spec, preset, CURRENT, CURRENT, MU, MASK)
+    assert out.weights is None
+    m = out.metrics
+    # the first sequence's geometric-mean ratio e^0.1125 leaves [0.99, 1.01], the second's
+    # e^0 does not: 4 of the 7 loss tokens rejected
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 7)
+    assert m["is/combined/mask_frac"] == pytest.approx(
+        m["rollout_corr/rollout_rs_masked_fraction"])
+    assert m["is/combined/weight_mean"] == pytest.approx(3 / 7)
+    assert m["is/combined/ess"] == pytest.approx(3 / 7)
+
+
 def test_unprovided_advantage_estimators_are_refused():
     for name, fix in (("gae", "grpo, rloo or reinforce_plus_plus"), ("remax", "rloo")):
         with pytest.raises(RecipeError) as info:

@@ -108,6 +108,26 @@ def test_snapshot_with_lagged_batch_separates_staleness_from_engine_mismatch():
     assert m["is/engine/mask_frac"] == 0.0 and m["is/staleness/mask_frac"] == 0.0
 
 
+def test_compis_under_ewma_logs_the_measured_staleness_not_its_own_unit_ratio():
+    """Under ewma π_prox = π_old = π_EWMA, so CompIS's own staleness ratio π_prox/π_old is ≡ 1;
+    is/staleness/* must be the measured π_current/π_EWMA (with CompIS's cap) instead."""
+    eng = _engine()
+    learner = Learner(eng, _recipe({"old_logprob": "ewma", "ewma": {"staleness_window": 2.0},
+                                    "correction": {"kind": "compis"}}), keep_tensors=True)
+    lagged = _groups(eng, seed=5, first_id=10)
+    assert learner.step(_groups(eng, seed=1), step=0).trained
+    res = learner.step(lagged, step=1)
+    d, m = res.debug, res.metrics
+    mask = d["response_mask"]
+    assert torch.equal(d["proximal_log_prob"], d["old_log_prob"])
+    ratio = torch.exp(d["current_log_prob"] - d["old_log_prob"])[mask]
+    assert float((ratio - 1.0).abs().max()) > 0.02  # the trainer has moved off the EWMA
+    assert m["is/staleness/ratio/mean"] == pytest.approx(float(ratio.mean()), rel=1e-5)
+    assert m["is/staleness/ratio/max"] == pytest.approx(float(ratio.max()), rel=1e-5)
+    assert m["is/staleness/kl_k1"] == pytest.approx(
+        float(-(d["current_log_prob"] - d["old_log_prob"])[mask].mean()), rel=1e-4, abs=1e-7)
+
+
 def test_sync_recompute_both_families_agree_and_are_exact():
     eng = _engine()
     learner = Learner(eng, _recipe({"old_logprob": "recompute"}), keep_tensors=True)
