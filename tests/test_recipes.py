@@ -9,6 +9,9 @@ from training.recipe import WarmStartModel, load_recipe, recipe_from_dict, recip
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 EXPECTED = {"sync", "one_step", "fully_async", "sync-moe", "one_step-moe", "fully_async-moe"}
 FILES = sorted(RECIPES.glob("*.yaml"))
+# the stress testbed (README "Stress testbed") has its own size and settings
+STRESS = [p for p in FILES if p.stem.startswith("stress-")]
+FILES = [p for p in FILES if p not in STRESS]
 
 
 def test_the_six_recipes_exist():
@@ -82,3 +85,18 @@ def test_recipes_are_small(path):
     assert r.rollout.max_response_tokens <= 32 and r.engines.num_rollout_engines == 2
     assert (r.eval.every, r.eval.n) == (10, 64)
     assert recipe_from_dict(r.to_dict()).hash() == r.hash()
+
+
+@pytest.mark.parametrize("path", STRESS, ids=lambda p: p.stem)
+def test_stress_recipes_differ_from_stress_sync_only_in_their_pipeline(path):
+    """The stress recipes are stress-sync.yaml with another async mode (and, fully async, the
+    naive data pipeline): what they do beyond it is the pipeline's doing."""
+    r = load_recipe(path)
+    assert r.name == path.stem and r.mode == path.stem.removeprefix("stress-")
+    assert r.is_moe and r.optim.epochs == 4 and r.algorithm.loss.clip_ratio_high == 0.28
+    assert r.algorithm.correction.kind == "none" and path.read_text().startswith("#")
+    base = load_recipe(RECIPES / "stress-sync.yaml").to_dict()
+    d = r.to_dict()
+    for x in (base, d):
+        x.pop("name"), x.pop("description"), x.pop("async"), x.pop("data")
+    assert d == base
