@@ -87,7 +87,10 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     # the baseline's promoted recipe, from this stage's starting checkpoint, at its data
     start = out["promoted"]["baseline"]["checkpoint"]
     assert ref["model"] == {"kind": "checkpoint", "path": start}
-    assert ref["optim"]["lr"] == base["optim"]["lr"] != 2e-6  # not the stage's overrides
+    # the stage's overrides apply (its task and optimiser), its async section would not
+    assert base["optim"]["lr"] != 2e-6
+    assert ref["optim"]["lr"] == 2e-6
+    assert ref["async"] == base["async"]
     assert ref["steps"] == 3  # ceil(48 / 16)
     ref_dir = Path(ref_row["run_dir"])
     ref_summary = summarize(read_metrics(ref_dir / "metrics.jsonl"))
