@@ -54,37 +54,16 @@ STOPPING = {
 
 
 @pytest.fixture(scope="module")
-def campaign_run(tmp_path_factory):
-    import os
-
-    from prefect.testing.utilities import prefect_test_harness
-
-    home = tmp_path_factory.mktemp("home")
-    saved = {k: os.environ.get(k) for k in ("ASYNCRL_HOME", "MLFLOW_TRACKING_URI")}
-    os.environ["ASYNCRL_HOME"] = str(home)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    path = home / "e2e.yaml"
-    path.write_text(yaml.safe_dump(CAMPAIGN))
-    stop_path = home / "e2estop.yaml"
-    stop_path.write_text(yaml.safe_dump(STOPPING))
-    import ray
-
+def campaign_run(tmp_path_factory, run_campaign):
     from flows.campaign import campaign_flow
 
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            first = campaign_flow(str(path), "e2e-1")
-            again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
-            stopped = campaign_flow(str(stop_path), "e2e-stop", return_state=True)
+    with run_campaign(tmp_path_factory, "e2e", CAMPAIGN) as (home, path):
+        stop_path = home / "e2estop.yaml"
+        stop_path.write_text(yaml.safe_dump(STOPPING))
+        first = campaign_flow(str(path), "e2e-1")
+        again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
+        stopped = campaign_flow(str(stop_path), "e2e-stop", return_state=True)
         yield home, first, again, stopped
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_promotions_follow_the_gates(campaign_run):

@@ -40,33 +40,11 @@ CAMPAIGN = {
 
 
 @pytest.fixture(scope="module")
-def campaign_run(tmp_path_factory):
-    import os
-
-    from prefect.testing.utilities import prefect_test_harness
-
-    home = tmp_path_factory.mktemp("home")
-    saved = {k: os.environ.get(k) for k in ("ASYNCRL_HOME", "MLFLOW_TRACKING_URI")}
-    os.environ["ASYNCRL_HOME"] = str(home)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    path = home / "refrun.yaml"
-    path.write_text(yaml.safe_dump(CAMPAIGN))
-    import ray
-
+def campaign_run(tmp_path_factory, run_campaign):
     from flows.campaign import campaign_flow
 
-    try:
-        with prefect_test_harness(server_startup_timeout=120):
-            out = campaign_flow(str(path), "refrun-1")
-        yield out
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with run_campaign(tmp_path_factory, "refrun", CAMPAIGN) as (_, path):
+        yield campaign_flow(str(path), "refrun-1")
 
 
 def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(campaign_run):
