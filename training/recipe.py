@@ -38,10 +38,12 @@ registries (torch); checking a recipe of known names needs no torch (``asyncrl v
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -975,27 +977,66 @@ def _plain(value: Any, what: str) -> Any:
 def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Deep-merge ``overrides`` into a copy of ``data``. Keys may be dotted (``async.mode``).
     A mapping merges into a mapping (or fills a missing or null one); any other value replaces.
-    Changing a discriminator (``async.mode``, ``algorithm.correction.kind``) drops the old
-    variant's other fields that the new variant does not accept; a mapping that names another
-    preset (``algorithm.correction: {name: ...}``) drops the old preset's ``args`` (the new
-    mapping's own args, if any, are the new preset's).
+
+    Variants are the schema's own discriminated unions (:func:`variant_unions`: ``model.kind``,
+    ``async.mode``, ``algorithm.correction.kind``); a ``mode`` or ``kind`` key anywhere else
+    (``algorithm.kl.mode``) is an ordinary field and merges like one. Switching a variant with a
+    mapping (``async: {mode: sync}``) starts from the new variant: the mapping is all of it, the
+    rest are the new variant's defaults. Switching only the tag with a dotted key
+    (``async.mode: one_step``) keeps the old variant's fields that the new variant also has and
+    drops the others. A mapping that names another preset (``algorithm.correction: {name: ...}``)
+    drops the old preset's ``args`` (the new mapping's own args, if any, are the new preset's).
 
     Both are copied by :func:`training.yamlfile.plain_copy` first (integer keys become strings,
     as they would through JSON): anything but plain data, a cycle, or more data than an alias
     bomb should expand to is a one-line :class:`RecipeError`, and neither input is changed. So is
     a mapping given where an earlier value is a scalar (``algorithm: 5`` in a stage, then a
     candidate's ``algorithm: {...}``): merging would hide the bad value instead of reporting it."""
+    unions = variant_unions()
     out = _plain(dict(data), "recipe")
     for key, value in _plain(dict(overrides), "overrides").items():
         parts = key.split(".")
         node = out
         for i, part in enumerate(parts[:-1]):
             node = _section(node, part, ".".join(parts[:i + 1]))
-        last = parts[-1]
-        if isinstance(value, dict) and node.get(last) is not None:
-            node[last] = _merge(_section(node, last, key), value, key)
+        last, parent = parts[-1], ".".join(parts[:-1])
+        union = unions.get(parent)
+        if (union is not None and last == union[0] and node.get(last) is not None
+                and value != node[last] and value in union[1]):
+            # a dotted tag switch: keep what the new variant also accepts
+            accepted = union[1][value]
+            for k in [k for k in node if k != last and k not in accepted]:
+                del node[k]
+            node[last] = value
+        elif isinstance(value, dict) and node.get(last) is not None:
+            node[last] = _merge(_section(node, last, key), value, key, unions)
         else:
             node[last] = value
+    return out
+
+
+@functools.cache
+def variant_unions() -> dict[str, tuple[str, dict[str, frozenset[str]]]]:
+    """The recipe's discriminated unions, read from the schema: dotted path (YAML spelling) →
+    (tag field, {tag value: the field names that variant accepts})."""
+    out: dict[str, tuple[str, dict[str, frozenset[str]]]] = {}
+
+    def fields(model: type[BaseModel]) -> frozenset[str]:
+        return frozenset(f.alias or n for n, f in model.model_fields.items())
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            path = prefix + (f.alias or name)
+            members = [a for a in typing.get_args(f.annotation) or (f.annotation,)
+                       if isinstance(a, type) and issubclass(a, BaseModel)]
+            if isinstance(f.discriminator, str):
+                tag = f.discriminator
+                out[path] = (tag, {typing.get_args(m.model_fields[tag].annotation)[0]: fields(m)
+                                   for m in members})
+            for m in members:
+                walk(m, path + ".")
+
+    walk(Recipe, "")
     return out
 
 
@@ -1010,11 +1051,13 @@ def _section(node: dict[str, Any], key: str, path: str) -> dict[str, Any]:
     return node[key]
 
 
-def _merge(base: dict[str, Any], new: dict[str, Any], path: str) -> dict[str, Any]:
-    """``new`` merged into ``base``; both are fresh plain copies owned by the caller."""
-    tag = next((k for k in ("mode", "kind") if k in new and k in base and new[k] != base[k]), None)
-    if tag is not None:  # switching variant: start from the new one
-        return new
+def _merge(base: dict[str, Any], new: dict[str, Any], path: str,
+           unions: Mapping[str, tuple[str, dict[str, frozenset[str]]]]) -> dict[str, Any]:
+    """``new`` merged into ``base`` (at dotted ``path``); both are fresh plain copies owned by the
+    caller."""
+    union = unions.get(path)
+    if union is not None and union[0] in new and base.get(union[0]) != new[union[0]]:
+        return new  # switching variant: start from the new one
     out = dict(base)
     if base.get("kind") == "preset" and "name" in new and new["name"] != base.get("name"):
         # another preset takes other constructor args: the old preset's must not merge into
@@ -1022,7 +1065,7 @@ def _merge(base: dict[str, Any], new: dict[str, Any], path: str) -> dict[str, An
         out.pop("args", None)
     for k, v in new.items():
         if isinstance(v, dict) and out.get(k) is not None:
-            out[k] = _merge(_section(out, k, f"{path}.{k}"), v, f"{path}.{k}")
+            out[k] = _merge(_section(out, k, f"{path}.{k}"), v, f"{path}.{k}", unions)
         else:
             out[k] = v
     return out

@@ -178,6 +178,38 @@ def test_override_switches_the_async_variant(tmp_path):
     assert r.mode == "sync"
 
 
+def test_a_mode_key_outside_a_variant_union_merges_like_any_field():
+    """``algorithm.kl.mode`` is an ordinary field, not a union tag: the nested spelling keeps the
+    base estimator and coefficient exactly as the dotted one does."""
+    base = {"algorithm": {"kl": {"mode": "none", "estimator": "k3", "coef": 0.05}}}  # to_dict
+    nested = recipe_from_dict(apply_overrides(base, {"algorithm": {"kl": {"mode": "in_reward"}}}))
+    dotted = recipe_from_dict(apply_overrides(base, {"algorithm.kl.mode": "in_reward"}))
+    for r in (nested, dotted):
+        assert (r.algorithm.kl.mode, r.algorithm.kl.estimator, r.algorithm.kl.coef) == (
+            "in_reward", "k3", 0.05)
+    assert nested.hash() == dotted.hash()
+
+
+def test_the_variant_unions_are_the_schemas():
+    from training.recipe import variant_unions
+
+    unions = variant_unions()
+    assert {p: u[0] for p, u in unions.items()} == {
+        "model": "kind", "async": "mode", "algorithm.correction": "kind"}
+    assert set(unions["async"][1]) == {"sync", "one_step", "fully_async"}
+    assert "staleness_threshold" in unions["async"][1]["fully_async"]
+    assert "staleness_threshold" not in unions["async"][1]["one_step"]
+
+
+def test_a_dotted_tag_switch_drops_what_the_new_variant_refuses(tmp_path):
+    path = _write(tmp_path, "async:\n  mode: fully_async\n  staleness_threshold: 0.3\n"
+                  "  require_batches: 2\n")
+    r = load_recipe(path, {"async.mode": "one_step"})  # no 'staleness_threshold' error
+    assert (r.mode, r.async_.require_batches) == ("one_step", 2)
+    r = load_recipe(path, {"async.mode": "fully_async"})  # same tag: nothing dropped
+    assert r.async_.staleness_threshold == 0.3
+
+
 def test_override_switches_the_correction_variant():
     base = {"algorithm": {"correction": {"kind": "preset", "name": "decoupled_token_is"}}}
     r = recipe_from_dict(apply_overrides(base, {"algorithm": {"correction": {"kind": "compis"}}}))
