@@ -296,15 +296,14 @@ def _choose(stage: Stage, outcomes: list[dict[str, Any]]) -> dict[str, Any] | No
     return passing[0]  # listed order
 
 
-def _context(recipe_data: Mapping[str, Any]) -> dict[str, Any]:
-    """What gates need to know about the recipe (the staleness bound the mode implies)."""
-    a = recipe_data.get("async", {})
-    mode = a.get("mode", "sync")
-    bound = {"sync": 0, "one_step": 1}.get(mode, a.get("max_off_policy_steps"))
-    # max_off_policy_steps tells staleness_within_bound that drops are configured (the bound then
-    # holds by construction and the dropped fraction is what it judges)
-    return {"mode": mode, "max_staleness": bound,
-            "max_off_policy_steps": a.get("max_off_policy_steps")}
+def _context(recipe: Recipe) -> dict[str, Any]:
+    """What gates need to know about the recipe: its mode and the staleness bound the mode
+    implies (the recipe's own ``staleness_bound``). ``max_off_policy_steps`` tells
+    staleness_within_bound that drops are configured (the bound then holds by construction and
+    the dropped fraction is what it judges). Plain data: it is recorded in the gate report."""
+    a = recipe.async_
+    return {"mode": a.mode, "max_staleness": a.staleness_bound,
+            "max_off_policy_steps": a.max_off_policy_steps}
 
 
 @flow(name="asyncrl-campaign", log_prints=False)
@@ -553,7 +552,7 @@ class _Runner:
         gates = [g.model_dump() for g in stage.gates
                  if not (absolute_only and g.relative_to)]
         report = judge(run=run, gates=gates, references=references,
-                       context=_context(recipe.to_dict()), registry_url=self.registry_url,
+                       context=_context(recipe), registry_url=self.registry_url,
                        mlflow_run_id=child, tracking_uri=self.tracking_uri,
                        where={"campaign_id": self.campaign_id, "stage": stage.name,
                               "candidate": name},

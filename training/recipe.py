@@ -46,7 +46,7 @@ import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -394,15 +394,66 @@ class _AsyncCommon(_Strict):
         "counted (async/dropped_stale_samples). None = keep all."))
 
 
-class SyncMode(_AsyncCommon):
+class _Lockstep(_AsyncCommon):
+    """A mode that generates exactly ``lag`` steps ahead of the trainer and syncs after every
+    step: its meaning to the runtime is fixed by ``lag`` (sync 0, one_step 1).
+
+    What each mode means is defined here once, as properties every consumer asks (the submission
+    quota, the sync interval, the drain order, the staleness it produces and allows, the EWMA
+    window), never worked out again from the mode's name."""
+
+    _lag: ClassVar[int] = 0
+
+    @property
+    def quota_threshold(self) -> float:
+        """Seed 002's staleness_threshold of the submission quota: (1 + lag) steps of samples
+        between two syncs."""
+        return float(self._lag)
+
+    @property
+    def sync_interval(self) -> int:
+        """Trainer steps between two parameter syncs."""
+        return 1
+
+    @property
+    def partial_rollout(self) -> bool:
+        """Whether a sync interrupts in-flight generation (never: a lockstep batch is complete
+        before the sync)."""
+        return False
+
+    @property
+    def submission_order(self) -> bool:
+        """Whether the buffer drains in submission order (so batch N is exactly the N-th
+        submitted) instead of ``data.drain``."""
+        return True
+
+    @property
+    def least_staleness(self) -> int:
+        """The staleness (trainer steps) every sample of this mode has."""
+        return self._lag
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """The most steps a consumed sample can be behind (None: unbounded)."""
+        return self._lag
+
+    @property
+    def ewma_window(self) -> float:
+        """Expected staleness W of the revised PPO-EWMA reference, in trainer steps."""
+        return float(self._lag)
+
+
+class SyncMode(_Lockstep):
     """On-policy pipeline: generate a step's batch with the current weights, train, sync."""
 
+    _lag: ClassVar[int] = 0
     mode: Literal["sync"] = Field("sync", description="Variant tag: synchronous, on-policy.")
 
 
-class OneStepMode(_AsyncCommon):
+class OneStepMode(_Lockstep):
     """One-step off-policy: generate batch N+1 while training batch N (staleness ≤ 1)."""
 
+    _lag: ClassVar[int] = 1
     mode: Literal["one_step"] = Field("one_step", description=(
         "Variant tag: one-step off-policy (staleness <= 1)."))
 
@@ -432,6 +483,33 @@ class FullyAsyncMode(_AsyncCommon):
         "rollouter sends prompt + those tokens back for the rest and labels each piece with the "
         "version that generated it. 'auto': retract on embedded engines, abort_resume on SGLang "
         "(whose retract drops the routed experts recorded before the re-prefill)."))
+
+    # the same questions _Lockstep answers, for streaming
+    @property
+    def quota_threshold(self) -> float:
+        return self.staleness_threshold
+
+    @property
+    def sync_interval(self) -> int:
+        return self.trigger_parameter_sync_step
+
+    @property
+    def submission_order(self) -> bool:
+        return False
+
+    @property
+    def least_staleness(self) -> int:
+        """Samples generated right after a sync are consumed up to interval − 1 steps later."""
+        return self.trigger_parameter_sync_step - 1
+
+    @property
+    def staleness_bound(self) -> int | None:
+        return self.max_off_policy_steps
+
+    @property
+    def ewma_window(self) -> float:
+        """(1 + staleness_threshold) · trigger_parameter_sync_step."""
+        return (1.0 + self.staleness_threshold) * self.trigger_parameter_sync_step
 
 
 AsyncSpec = Annotated[SyncMode | OneStepMode | FullyAsyncMode, Field(discriminator="mode")]
@@ -818,8 +896,7 @@ class Recipe(_Strict):
             raise ValueError(f"algorithm.routing_replay={self.algorithm.routing_replay} needs an "
                              "MoE model: set model.moe_experts > 0 or routing_replay: none")
         a = self.async_
-        least = {"sync": 0, "one_step": 1}.get(
-            a.mode, getattr(a, "trigger_parameter_sync_step", 1) - 1)
+        least = a.least_staleness
         if a.max_off_policy_steps is not None and a.max_off_policy_steps < least:
             raise ValueError(
                 f"async.max_off_policy_steps={a.max_off_policy_steps} would drop samples the "
@@ -871,11 +948,17 @@ class Recipe(_Strict):
         """How partial rollouts are interrupted at a sync (``async.interrupt`` with ``auto``
         resolved for the rollout backend); None without partial rollout."""
         a = self.async_
-        if not getattr(a, "partial_rollout", False):
+        if not isinstance(a, FullyAsyncMode) or not a.partial_rollout:
             return None
         if a.interrupt == "auto":
             return "abort_resume" if self.engines.rollout == "sglang" else "retract"
         return a.interrupt
+
+    @property
+    def drain(self) -> Literal["submission", "fifo", "windowed_fifo"]:
+        """The buffer's drain order: submission order in the lockstep modes (batch N is the N-th
+        submitted), ``data.drain`` when streaming."""
+        return "submission" if self.async_.submission_order else self.data.drain
 
     @property
     def groups_per_step(self) -> int:

@@ -607,3 +607,24 @@ def test_combinations_without_meaning_are_refused():
             ("loglinear", {"kind": "decoupled_mis"}, "use old_logprob: snapshot or ewma")):
         msg = _error({"algorithm": {"old_logprob": old, "correction": corr}})
         assert msg.startswith("recipe: algorithm: ") and fix in msg, msg
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    # quota threshold, sync interval, partial rollout, submission order, least staleness,
+    # staleness bound, EWMA window
+    ({"mode": "sync"}, (0.0, 1, False, True, 0, 0, 0.0)),
+    ({"mode": "one_step", "max_off_policy_steps": 3}, (1.0, 1, False, True, 1, 1, 1.0)),
+    ({"mode": "fully_async"}, (0.5, 1, True, False, 0, None, 1.5)),
+    ({"mode": "fully_async", "staleness_threshold": 0.25, "trigger_parameter_sync_step": 4,
+      "partial_rollout": False, "max_off_policy_steps": 5}, (0.25, 4, False, False, 3, 5, 5.0)),
+])
+def test_each_async_mode_carries_its_meaning(spec, expected):
+    a = recipe_from_dict({"async": spec}).async_
+    assert (a.quota_threshold, a.sync_interval, a.partial_rollout, a.submission_order,
+            a.least_staleness, a.staleness_bound, a.ewma_window) == expected
+
+
+def test_the_drain_order_follows_the_mode():
+    data = {"data": {"drain": "fifo"}}
+    assert recipe_from_dict({**data, "async": {"mode": "one_step"}}).drain == "submission"
+    assert recipe_from_dict({**data, "async": {"mode": "fully_async"}}).drain == "fifo"

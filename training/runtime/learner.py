@@ -201,14 +201,7 @@ def ewma_staleness_window(recipe: Recipe) -> float:
     fully_async (1 + staleness_threshold) · trigger_parameter_sync_step.
     """
     explicit = recipe.algorithm.ewma.staleness_window
-    if explicit is not None:
-        return float(explicit)
-    mode = recipe.async_
-    if mode.mode == "sync":
-        return 0.0
-    if mode.mode == "one_step":
-        return 1.0
-    return (1.0 + mode.staleness_threshold) * mode.trigger_parameter_sync_step
+    return float(explicit) if explicit is not None else recipe.async_.ewma_window
 
 
 def engine_optim_config(recipe: Recipe) -> OptimConfig:

@@ -175,13 +175,12 @@ class Rollouter:
         self.n = r.rollout.n
         self.controller = StalenessController(
             r.samples_per_step,
-            staleness_threshold={"sync": 0.0, "one_step": 1.0}.get(a.mode, getattr(
-                a, "staleness_threshold", 0.0)),
-            trigger_parameter_sync_step=getattr(a, "trigger_parameter_sync_step", 1),
+            staleness_threshold=a.quota_threshold,
+            trigger_parameter_sync_step=a.sync_interval,
             max_ahead_steps=a.max_ahead_steps,
         )
         self.dispatcher = Dispatcher(r.data.dispatch, ema_alpha=r.data.length_ema)
-        self.partial_rollout = bool(getattr(a, "partial_rollout", False))
+        self.partial_rollout = a.partial_rollout
         self.interrupt = r.partial_interrupt  # retract | abort_resume | None
         self.max_in_flight = r.data.max_in_flight
         self.sync_timeout_s = 600.0

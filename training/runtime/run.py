@@ -405,7 +405,7 @@ class Runtime:
         from training.runtime.rollouter import Rollouter
 
         r = self.recipe
-        drain = "submission" if r.mode in ("sync", "one_step") else r.data.drain
+        drain = r.drain
         data = r.to_dict()
         self.buffer = ray.remote(num_cpus=0)(SampleBuffer).remote(drain, r.data.window)
         total_opt = self.total_steps * r.async_.require_batches * r.optim.epochs
@@ -515,7 +515,7 @@ class Runtime:
         self.step_start_versions.append(version)
         # seed 004's i advances with every trainer step; dropped samples are credited back
         ray.get(self.rollouter.set_policy_step.remote(self.step + 1, dropped))
-        k = getattr(self.recipe.async_, "trigger_parameter_sync_step", 1)
+        k = self.recipe.async_.sync_interval
         if (self.step + 1) % k == 0 or self.step + 1 == self.total_steps:
             metrics.update(self._sync(ray, version, self.step + 1))
             metrics["async/retained_versions"] = float(ray.get(
