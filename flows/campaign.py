@@ -43,7 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import flow, task
 
-from registry.campaign import Campaign, Stage, load_campaign, reference_name, stage_recipes
+from registry.campaign import (
+    Campaign,
+    Stage,
+    StartingPoint,
+    load_campaign,
+    reference_name,
+    stage_recipes,
+)
 from training.fileio import atomic_write_text
 from training.paths import state_dir
 
@@ -372,6 +379,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
     """The stages of :func:`run_campaign`, run while this process owns the campaign."""
     from flows.tracking import Tracker
     from registry.gates import diagnosis_for
+    from training.recipe import recipe_from_dict
     from training.runtime.sinks import read_metrics
 
     db.set_campaign_status(campaign_id, "running")
@@ -386,7 +394,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
             f"{lease.identity.describe()}")})
     _start_ray()
     current: dict[str, Any] = dict(base)
-    checkpoint: str | None = None
+    start: StartingPoint | None = None  # the previous stage's promoted checkpoint and recipe
     references: dict[str, dict[str, float]] = {}
     promoted_recipes: dict[str, dict[str, Any]] = {}  # by stage: what rerun_reference re-runs
     outcome = CampaignOutcome(campaign_id, "running", "", mlflow_run_id=parent)
@@ -401,9 +409,13 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                 if recipe_row is not None and run_row is not None and done.get("checkpoint"):
                     import yaml
 
-                    current = yaml.safe_load(recipe_row["yaml"])
+                    # re-validated: what the registry holds is read back as a recipe
+                    promoted_recipe = recipe_from_dict(yaml.safe_load(recipe_row["yaml"]),
+                                                       f"registry recipe {done['recipe_hash']}")
+                    current = promoted_recipe.to_dict()
                     promoted_recipes[stage.name] = current
                     checkpoint = done["checkpoint"]
+                    start = StartingPoint(checkpoint, promoted_recipe)
                     history = read_metrics(Path(run_row["run_dir"]) / "metrics.jsonl")
                     from registry.gates import summarize
                     references[stage.name] = summarize(history)
@@ -419,8 +431,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                     _emit(events, kind="stage", stage=stage.name, status="promoted (earlier)")
                     continue
             # on the chain actually promoted, before anything of the stage trains
-            built = stage_recipes(campaign, stage, current, promoted_recipes,
-                                  checkpoint=checkpoint)
+            built = stage_recipes(campaign, stage, current, promoted_recipes, start=start)
             db.upsert_stage(campaign_id, stage.name, index, "running")
             _emit(events, kind="stage", stage=stage.name, status="running")
             runner = _Runner(campaign_id, stage, db, tracker, exp, parent, registry_url,
@@ -484,7 +495,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
             references[stage.name] = winner["report"]["summary_for_reference"]
             current = winner["recipe_data"]
             promoted_recipes[stage.name] = current
-            checkpoint = winner["run"]["final_hf"]
+            start = StartingPoint(winner["run"]["final_hf"], recipe_from_dict(current))
         else:
             outcome.status = "finished"
             outcome.verdict = (f"all {len(campaign.stages)} stages promoted; champion: "

@@ -277,10 +277,10 @@ class Campaign(_Strict):
         raise KeyError(f"no stage {name!r}; stages: {', '.join(s.name for s in self.stages)}")
 
     def candidate_recipe(self, base: Mapping[str, Any], stage: Stage, candidate: Candidate,
-                         *, checkpoint: str | None = None) -> Recipe:
+                         *, start: StartingPoint | None = None) -> Recipe:
         """The recipe a candidate runs: ``base`` (the previous stage's promoted recipe as
-        data) + the stage's overrides + the candidate's; ``checkpoint`` (the previous stage's
-        promoted HF checkpoint) replaces the model; the stage's ``steps`` wins, or its
+        data) + the stage's overrides + the candidate's; ``start`` (the previous stage's
+        promoted checkpoint) replaces the model; the stage's ``steps`` wins, or its
         ``samples`` set the steps from this recipe's samples per step. The name is
         ``<campaign>/<stage>/<candidate>``."""
         where = f"stage {stage.name!r} candidate {candidate.name!r}"
@@ -289,15 +289,15 @@ class Campaign(_Strict):
             data = apply_overrides(data, candidate.overrides)
         except RecipeError as e:
             raise _located(e, where) from None
-        return self._sized(data, stage, candidate.name, where, checkpoint)
+        return self._sized(data, stage, candidate.name, where, start)
 
     def reference_recipe(self, promoted: Mapping[str, Any], stage: Stage, reference: str, *,
-                         checkpoint: str | None = None) -> Recipe:
+                         start: StartingPoint | None = None) -> Recipe:
         """The re-run of ``reference``'s promoted recipe (``promoted``, as data) inside
         ``stage`` (``rerun_reference``): ``promoted`` + the stage's overrides except its
         ``async`` section, so the reference runs the stage's task (response length, group size,
-        difficulty, ...) in its own async mode; the model is ``checkpoint`` (this stage's
-        starting checkpoint), the length this stage's steps or samples, and the name
+        difficulty, ...) in its own async mode; the model is ``start`` (this stage's starting
+        checkpoint), the length this stage's steps or samples, and the name
         ``<campaign>/<stage>/reference-<reference>``."""
         name = reference_name(reference)
         where = f"stage {stage.name!r} {name} (rerun_reference)"
@@ -305,13 +305,13 @@ class Campaign(_Strict):
             data = apply_overrides(promoted, _without_async(stage.overrides))
         except RecipeError as e:
             raise _located(e, where) from None
-        return self._sized(data, stage, name, where, checkpoint)
+        return self._sized(data, stage, name, where, start)
 
     def _sized(self, data: dict[str, Any], stage: Stage, candidate: str, where: str,
-               checkpoint: str | None) -> Recipe:
+               start: StartingPoint | None) -> Recipe:
         try:
-            if checkpoint is not None:
-                data["model"] = {"kind": "checkpoint", "path": str(checkpoint)}
+            if start is not None:
+                data["model"] = start.model()
             if stage.steps is not None:
                 data["steps"] = stage.steps
             data["name"] = f"{self.name}/{stage.name}/{candidate}"
@@ -364,6 +364,23 @@ def _located(err: RecipeError, where: str) -> CampaignError:
 
 
 @dataclass(frozen=True)
+class StartingPoint:
+    """Where a stage after the first starts: the previous stage's promoted checkpoint (``path``,
+    on this machine) and the promoted recipe that produced it (``recipe``). The candidates'
+    model is the checkpoint with that recipe as its ``origin``, so their identity does not
+    depend on where ``$ASYNCRL_HOME`` is: two campaigns of the same ladder on two machines
+    give the same recipe hashes, and the registry stores each recipe once."""
+
+    path: str
+    recipe: Recipe
+
+    def model(self) -> dict[str, Any]:
+        """The ``model`` section of a recipe that starts here."""
+        return {"kind": "checkpoint", "path": self.path, "origin": f"recipe:{self.recipe.hash()}",
+                "moe_experts": self.recipe.moe_experts}
+
+
+@dataclass(frozen=True)
 class StageRecipes:
     """What a stage runs: each candidate's recipe (listed order) and, with
     ``rerun_reference``, the re-run of each reference stage (by that stage's name)."""
@@ -374,13 +391,13 @@ class StageRecipes:
 
 def stage_recipes(campaign: Campaign, stage: Stage, current: Mapping[str, Any],
                   promoted: Mapping[str, Mapping[str, Any]], *,
-                  checkpoint: str | None = None) -> StageRecipes:
+                  start: StartingPoint | None = None) -> StageRecipes:
     """Build and check everything ``stage`` will train, before any of it trains: each
     candidate's recipe from ``current`` (the previous stage's promoted recipe as data), the
     reference re-runs from ``promoted`` (promoted recipe data by stage name), and that every
     gate can be judged on each candidate's recipe. A problem is one :class:`CampaignError`
     naming the stage, the candidate, the gate and the fix."""
-    cands = [(c, campaign.candidate_recipe(current, stage, c, checkpoint=checkpoint))
+    cands = [(c, campaign.candidate_recipe(current, stage, c, start=start))
              for c in stage.candidates]
     for cand, recipe in cands:
         _check_gates(stage, cand.name, recipe)
@@ -390,8 +407,7 @@ def stage_recipes(campaign: Campaign, stage: Stage, current: Mapping[str, Any],
             if ref not in promoted:
                 raise CampaignError(f"stage {stage.name!r} rerun_reference: stage {ref!r} has "
                                     "no promoted recipe to re-run; run that stage first")
-            refs[ref] = campaign.reference_recipe(promoted[ref], stage, ref,
-                                                  checkpoint=checkpoint)
+            refs[ref] = campaign.reference_recipe(promoted[ref], stage, ref, start=start)
     return StageRecipes(cands, refs)
 
 

@@ -211,6 +211,16 @@ class CheckpointModel(_Strict):
         "Variant tag: an HF-format checkpoint directory."))
     path: str = Field(min_length=1, max_length=4096, description=(
         "Directory of the HF-format checkpoint."))
+    origin: str | None = Field(None, pattern=r"^recipe:[0-9a-f]{16}$", description=(
+        "The recipe whose run produced this checkpoint, as 'recipe:<hash>' (a campaign sets it "
+        "on every stage after the first: the previous stage's promoted recipe). When set, the "
+        "recipe's identity (its hash) counts the origin instead of the path, so the same ladder "
+        "gives the same recipe hashes on every machine, home directory and campaign. None: the "
+        "path counts."))
+    moe_experts: YamlOptInt = Field(None, ge=0, le=64, description=(
+        "Experts per layer of the checkpoint's model (0 = dense), when known (a campaign copies "
+        "it from the origin recipe), so the recipe's MoE checks (routing_replay) apply to it. "
+        "None: unknown here; the run reads config.json."))
 
     @field_validator("path")
     @classmethod
@@ -890,9 +900,7 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:
-        moe = isinstance(self.model, WarmStartModel) and self.model.moe_experts > 0
-        if self.algorithm.routing_replay != "none" and isinstance(self.model, WarmStartModel) \
-                and not moe:
+        if self.algorithm.routing_replay != "none" and self.moe_experts == 0:
             raise ValueError(f"algorithm.routing_replay={self.algorithm.routing_replay} needs an "
                              "MoE model: set model.moe_experts > 0 or routing_replay: none")
         a = self.async_
@@ -909,9 +917,10 @@ class Recipe(_Strict):
         if e.rollout == "sglang" and e.sglang.weight_sync == "nccl" and e.train != "megatron":
             raise ValueError("engines.sglang.weight_sync=nccl broadcasts from the Megatron ranks; "
                              "set engines.train: megatron or weight_sync: disk")
-        m = e.megatron
+        m, experts = e.megatron, self.moe_experts  # experts None: a checkpoint not known here
+        moe = bool(experts)
         if e.train == "megatron" and m.expert_parallel > 1:
-            if not moe and isinstance(self.model, WarmStartModel):
+            if experts == 0:
                 raise ValueError(f"engines.megatron.expert_parallel={m.expert_parallel} needs an "
                                  "MoE model: set model.moe_experts > 0 or expert_parallel: 1")
             if m.data_parallel % m.expert_parallel:
@@ -919,10 +928,10 @@ class Recipe(_Strict):
                     f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
                     f"data_parallel={m.data_parallel} (experts are split over the "
                     "data-parallel ranks)")
-            if moe and self.model.moe_experts % m.expert_parallel:
+            if experts and experts % m.expert_parallel:
                 raise ValueError(
                     f"engines.megatron.expert_parallel={m.expert_parallel} must divide "
-                    f"model.moe_experts={self.model.moe_experts}")
+                    f"model.moe_experts={experts}")
         if e.train == "megatron" and isinstance(self.model, WarmStartModel) \
                 and self.model.num_layers % m.pipeline_parallel:
             raise ValueError(f"engines.megatron.pipeline_parallel={m.pipeline_parallel} must "
@@ -970,7 +979,13 @@ class Recipe(_Strict):
 
     @property
     def is_moe(self) -> bool:
-        return isinstance(self.model, WarmStartModel) and self.model.moe_experts > 0
+        """True when the model is known to be MoE (a checkpoint of unknown kind: False)."""
+        return bool(self.moe_experts)
+
+    @property
+    def moe_experts(self) -> int | None:
+        """Experts per layer of the model (0 = dense; None: a checkpoint not known here)."""
+        return self.model.moe_experts
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, the YAML layout (``async`` key)."""
@@ -989,7 +1004,9 @@ _ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
     ("engines", "megatron", "precision", "fp32"),
     ("async", None, "interrupt", "auto"),
     ("algorithm", "correction", "args", {}),
-    ("algorithm", "loss", "loss_scale_factor", None))
+    ("algorithm", "loss", "loss_scale_factor", None),
+    ("model", None, "origin", None),
+    ("model", None, "moe_experts", None))
 
 
 def recipe_hash(recipe: Recipe) -> str:
@@ -998,10 +1015,13 @@ def recipe_hash(recipe: Recipe) -> str:
     an omitted one hash the same). The settings of a backend the recipe does not use
     (``engines.megatron`` unless ``train: megatron``, ``engines.sglang`` unless ``rollout:
     sglang``) do not count: they change nothing about the run; nor do fields added later while
-    they keep their default (``_ADDED_LATER``)."""
+    they keep their default (``_ADDED_LATER``); nor does a checkpoint's path when its ``origin``
+    (the recipe that produced it) is known."""
     data = recipe.to_dict()
     data.pop("name", None)
     data.pop("description", None)
+    if data["model"].get("origin") is not None:  # a checkpoint known by what produced it
+        data["model"].pop("path")
     engines = data.get("engines", {})
     if engines.get("train") != "megatron":
         engines.pop("megatron", None)

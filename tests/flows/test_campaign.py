@@ -88,8 +88,11 @@ def test_promotions_follow_the_gates(campaign_run):
     assert good and all(g["passed"] for g in good)
     # the async stage started from the baseline's promoted checkpoint
     recipe = yaml.safe_load(db.get_recipe(runs[("async", "sync")]["recipe_hash"])["yaml"])
+    # ... known by the recipe that produced it (its identity does not depend on the path)
     assert recipe["model"] == {"kind": "checkpoint",
-                               "path": out["promoted"]["baseline"]["checkpoint"]}
+                               "path": out["promoted"]["baseline"]["checkpoint"],
+                               "origin": f"recipe:{out['promoted']['baseline']['recipe_hash']}",
+                               "moe_experts": 0}
     report = json.loads((Path(runs[("async", "one-step")]["run_dir"]) / "gate_report.json")
                         .read_text())
     assert report["passed"] is False

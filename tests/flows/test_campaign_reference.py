@@ -64,7 +64,8 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     base = yaml.safe_load(db.get_recipe(runs[("baseline", "default")]["recipe_hash"])["yaml"])
     # the baseline's promoted recipe, from this stage's starting checkpoint, at its data
     start = out["promoted"]["baseline"]["checkpoint"]
-    assert ref["model"] == {"kind": "checkpoint", "path": start}
+    assert ref["model"] == {"kind": "checkpoint", "path": start, "moe_experts": 0,
+                            "origin": f"recipe:{runs[('baseline', 'default')]['recipe_hash']}"}
     # the stage's overrides apply (its task and optimiser), its async section would not
     assert base["optim"]["lr"] != 2e-6
     assert ref["optim"]["lr"] == 2e-6

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from registry import gates
 from registry.campaign import (
     CampaignError,
+    StartingPoint,
     campaign_from_dict,
     load_campaign,
     stage_recipes,
@@ -120,12 +121,14 @@ def test_rerun_reference_rebuilds_the_promoted_recipe_at_this_stages_start_and_l
          "gates": [REF_GATE, {"name": "reward_not_collapsed"}]}])
     a = stage_recipes(campaign, campaign.stages[0], base, {})
     promoted = a.candidates[0][1].to_dict()
-    b = stage_recipes(campaign, campaign.stages[1], promoted, {"a": promoted},
-                      checkpoint="/ckpt/a/final/hf")
+    start = StartingPoint("/ckpt/a/final/hf", a.candidates[0][1])
+    b = stage_recipes(campaign, campaign.stages[1], promoted, {"a": promoted}, start=start)
     ref = b.references["a"]
     assert list(b.references) == ["a"]
     assert ref.name == "c/b/reference-a"
-    assert ref.model.model_dump() == {"kind": "checkpoint", "path": "/ckpt/a/final/hf"}
+    assert ref.model.model_dump() == {"kind": "checkpoint", "path": "/ckpt/a/final/hf",
+                                      "origin": f"recipe:{a.candidates[0][1].hash()}",
+                                      "moe_experts": 0}
     # the promoted recipe (sync, lr 3e-6) + the stage's non-async overrides (2 prompts × 4 =
     # 8 samples a step), at this stage's data: ceil(64 / 8) = 8 steps
     assert (ref.mode, ref.optim.lr, ref.samples_per_step, ref.steps) == ("sync", 3e-6, 8, 8)
@@ -188,3 +191,26 @@ def test_validate_and_load_show_the_refusal_in_one_line(tmp_path):
                           "want\n")
     with pytest.raises(CampaignError, match="lists gate 'grad_norm_no_spike' 2 times"):
         load_campaign(path)
+
+
+def test_a_stages_recipes_have_the_same_identity_on_every_home_directory():
+    """Issue 15: the recipe hash of a stage after the first counts where its checkpoint came
+    from (the promoted recipe), not the absolute $ASYNCRL_HOME path, so the same ladder in two
+    campaigns on two machines gives the same hashes and the registry stores each recipe once."""
+    from training.recipe import recipe_from_dict
+
+    campaign, base = _load([{"name": "a"}, {"name": "b", "overrides": {"optim": {"lr": 3e-6}}}])
+    promoted = stage_recipes(campaign, campaign.stages[0], base, {}).candidates[0][1]
+    hashes = set()
+    for home in ("/home/alice/.asyncrl/campaigns/c-1", "/scratch/bob/asyncrl/campaigns/c-7"):
+        start = StartingPoint(f"{home}/a/default/final/hf", promoted)
+        recipe = stage_recipes(campaign, campaign.stages[1], promoted.to_dict(), {},
+                               start=start).candidates[0][1]
+        assert recipe.model.path == f"{home}/a/default/final/hf"  # the run reads this one
+        hashes.add(recipe.hash())
+    assert len(hashes) == 1
+    # a different promoted recipe is a different start, whatever the path
+    other = StartingPoint("/home/alice/.asyncrl/campaigns/c-1/a/default/final/hf",
+                          recipe_from_dict({**promoted.to_dict(), "seed": 1}))
+    assert stage_recipes(campaign, campaign.stages[1], promoted.to_dict(), {},
+                         start=other).candidates[0][1].hash() not in hashes

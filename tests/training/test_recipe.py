@@ -628,3 +628,31 @@ def test_the_drain_order_follows_the_mode():
     data = {"data": {"drain": "fifo"}}
     assert recipe_from_dict({**data, "async": {"mode": "one_step"}}).drain == "submission"
     assert recipe_from_dict({**data, "async": {"mode": "fully_async"}}).drain == "fifo"
+
+
+def test_a_checkpoint_with_an_origin_is_known_by_it_not_by_its_path():
+    def recipe(path, origin=None, **extra):
+        model = {"kind": "checkpoint", "path": path, **({"origin": origin} if origin else {}),
+                 **extra}
+        return recipe_from_dict({"model": model})
+
+    origin = "recipe:0123456789abcdef"
+    assert recipe("/a/hf", origin).hash() == recipe("/b/hf", origin).hash()
+    assert recipe("/a/hf", origin).hash() != recipe("/a/hf", "recipe:fedcba9876543210").hash()
+    assert recipe("/a/hf").hash() != recipe("/b/hf").hash()  # no origin: the path counts
+    # a checkpoint recipe from before origin/moe_experts hashes as it did
+    assert recipe("/a/hf").hash() == recipe("/a/hf", moe_experts=None).hash()
+    with pytest.raises(RecipeError, match="origin"):
+        recipe("/a/hf", "run 7")
+
+
+def test_moe_checks_apply_to_a_checkpoint_whose_experts_are_known():
+    def recipe(moe_experts):
+        return {"model": {"kind": "checkpoint", "path": "/a/hf", "moe_experts": moe_experts},
+                "algorithm": {"routing_replay": "r3"}}
+
+    assert recipe_from_dict(recipe(4)).is_moe
+    with pytest.raises(RecipeError, match="needs an MoE model"):
+        recipe_from_dict(recipe(0))
+    r = recipe_from_dict(recipe(None))  # unknown here: the run reads config.json
+    assert not r.is_moe and r.moe_experts is None
