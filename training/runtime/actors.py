@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.runtime.pipeline import GroupBuffer
 from training.runtime.types import Group
+
+if TYPE_CHECKING:  # the buffer actor's process never needs torch
+    from training.runtime.learner import StepResult
 
 __all__ = ["SampleBuffer", "TrainerWorker"]
 
@@ -126,22 +129,21 @@ class TrainerWorker:
         return int(self.engine.weight_version)
 
     def step(self, groups: list[Group], step: int,
-             step_start_versions: list[int] | None = None) -> dict[str, Any]:
-        """One trainer step; returns {trained, rejected_reason, metrics, weight_version, time}.
+             step_start_versions: list[int] | None = None) -> StepResult:
+        """One trainer step: the learner's :class:`StepResult` without its debug tensors, with
+        the engine's weight version after it and the step's wall time in this actor.
         ``step_start_versions[s]`` = the weight version trainer step s started from."""
-        import bisect
+        import dataclasses
+        import functools
+
+        from training.runtime.pipeline import step_of_version
 
         t0 = time.monotonic()
-        v2s = None
-        if step_start_versions:
-            starts = list(step_start_versions)
-
-            def v2s(version: int) -> int:
-                return max(0, bisect.bisect_right(starts, version) - 1)
+        v2s = functools.partial(step_of_version, list(step_start_versions)) \
+            if step_start_versions else None
         res = self.learner.step(groups, step, version_to_step=v2s)
-        return {"trained": res.trained, "rejected_reason": res.rejected_reason,
-                "metrics": res.metrics, "weight_version": int(self.engine.weight_version),
-                "time": time.monotonic() - t0}
+        return dataclasses.replace(res, debug=None, weight_version=int(self.engine.weight_version),
+                                   time_s=time.monotonic() - t0)
 
     def keep_snapshots(self, versions: list[int], keep_from: int) -> int:
         """Drop retained weight versions older than ``keep_from`` that are not in ``versions``

@@ -144,6 +144,7 @@ class StepResult:
     rejected_reason: one line saying why nothing was trained (None when trained).
     metrics: flat dict of floats (DESIGN.md namespaces).
     weight_version: the engine's version after the step.
+    time_s: wall time of the step in the trainer actor (set by ``TrainerWorker.step``; 0 here).
     debug: the step's (B, T) tensors when the learner keeps them (``keep_tensors=True``): keys
         ``rollout_log_prob`` (μ), ``current_log_prob``, ``proximal_log_prob``, ``old_log_prob``,
         ``token_versions``, ``response_mask`` (loss mask), ``keep_mask`` (trained tokens),
@@ -156,6 +157,7 @@ class StepResult:
     metrics: dict[str, float]
     weight_version: int
     debug: dict[str, torch.Tensor] | None = None
+    time_s: float = 0.0
 
 
 @dataclass(frozen=True)

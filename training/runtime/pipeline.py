@@ -32,6 +32,7 @@ that the runtime drives, which keeps every policy unit-testable.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -47,6 +48,7 @@ __all__ = [
     "GroupBuffer",
     "StalenessController",
     "staleness_metrics",
+    "step_of_version",
     "steps_behind",
 ]
 
@@ -708,6 +710,16 @@ def _validate_quota_args(samples_per_step: Any, staleness_threshold: Any, sync_s
 # ---------------------------------------------------------------------------------------------
 # Staleness accounting
 # ---------------------------------------------------------------------------------------------
+
+
+def step_of_version(step_start_versions: Sequence[int], version: int) -> int:
+    """The version clock: the trainer step whose weights had weight ``version``, i.e. the last
+    step ``s`` with ``step_start_versions[s] <= version`` (0 for anything older than the first
+    entry). ``step_start_versions[s]`` is the weight version trainer step ``s`` started from;
+    versions only grow (a version counts optimizer steps, several per trainer step), so this is
+    a binary search. The runtime's staleness, the learner's per-token staleness and the partial
+    rollout spans all read steps through it."""
+    return max(0, bisect.bisect_right(step_start_versions, version) - 1)
 
 
 def steps_behind(token_versions: Sequence[int], current_step: int) -> int:

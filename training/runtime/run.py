@@ -33,7 +33,6 @@ on twice, nothing is silently lost. Metrics of steps after the checkpoint are cu
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import logging
@@ -48,7 +47,7 @@ from training.engines.hf_io import CheckpointError, move_into_place, read_meta
 from training.fileio import atomic_write_text, recover_dir
 from training.ownership import OwnedError, RunDirLock
 from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_hash
-from training.runtime.pipeline import staleness_metrics
+from training.runtime.pipeline import staleness_metrics, step_of_version
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
 from training.runtime.types import Group
 
@@ -145,11 +144,6 @@ def check_rollout_backend(recipe: Recipe) -> None:
                            "not in this version; use weight_sync: disk")
 
 
-def _step_of(step_start_versions: Sequence[int], version: int) -> int:
-    """The trainer step whose weights had ``version`` (versions only grow)."""
-    return max(0, bisect.bisect_right(step_start_versions, version) - 1)
-
-
 def split_stale(groups: Sequence[Group], step: int, step_start_versions: Sequence[int],
                 limit: int | None) -> tuple[list[Group], list[int], int]:
     """Drop the samples more than ``limit`` steps behind ``step`` (``max_off_policy_steps``).
@@ -165,7 +159,7 @@ def split_stale(groups: Sequence[Group], step: int, step_start_versions: Sequenc
     for g in groups:
         kept = []
         for s in g.samples:
-            st = step - _step_of(step_start_versions, s.min_version)
+            st = step - step_of_version(step_start_versions, s.min_version)
             if limit is not None and st > limit:
                 dropped += 1
             else:
@@ -470,28 +464,29 @@ class Runtime:
         t1 = time.monotonic()
         res = ray.get(self.trainer.step.remote(groups, self.step, self.step_start_versions))
         t2 = time.monotonic()
-        metrics: dict[str, float] = dict(res["metrics"])
+        metrics: dict[str, float] = dict(res.metrics)
         c = self.counters
         c["wait_time_s"] += t1 - t0
         c["train_time_s"] += t2 - t1
         c["dropped_stale_samples"] += dropped
         samples = [s for g in groups for s in g.samples]
-        if res["trained"]:  # seed 002: a "sample" is a prompt's group, a "trajectory" a response
+        if res.trained:  # seed 002: a "sample" is a prompt's group, a "trajectory" a response
             c["stale_trajectories_processed"] += sum(1 for st in staleness if st > 0)
             c["stale_samples_processed"] += sum(
-                1 for g in groups if any(self.step - _step_of(self.step_start_versions,
+                1 for g in groups if any(self.step - step_of_version(self.step_start_versions,
                                                               s.min_version) > 0
                                          for s in g.samples))
-        if res["trained"]:
+        if res.trained:
             c["trained_samples"] += len(samples)
             c["trained_tokens"] += sum(s.response_len for s in samples)
         else:
             c["rejected_batches"] += 1
             c["rejected_samples"] += len(samples)
-            log.warning("step %d: batch rejected: %s", self.step, res["rejected_reason"])
+            log.warning("step %d: batch rejected: %s", self.step, res.rejected_reason)
         partial = [s for s in samples if s.spans_sync]
-        spans = [_step_of(self.step_start_versions, max(s.token_versions))
-                 - _step_of(self.step_start_versions, min(s.token_versions)) for s in partial]
+        starts = self.step_start_versions
+        spans = [step_of_version(starts, max(s.token_versions))
+                 - step_of_version(starts, min(s.token_versions)) for s in partial]
         metrics.update(staleness_metrics(staleness))
         metrics.update({
             "async/dropped_stale_samples": c["dropped_stale_samples"],
@@ -501,17 +496,17 @@ class Runtime:
             "async/partial_ratio": len(partial) / max(len(samples), 1),
             "async/max_partial_span": float(max(spans, default=0)),
             "async/rejected_batches": c["rejected_batches"],
-            "async/batch_rejected": 0.0 if res["trained"] else 1.0,
+            "async/batch_rejected": 0.0 if res.trained else 1.0,
             "async/wait_time_s": t1 - t0,
             "async/train_time_s": t2 - t1,
-            "async/trainer_step_time_s": float(res["time"]),
+            "async/trainer_step_time_s": res.time_s,
             "async/trained_samples": c["trained_samples"],
             "async/rejected_samples": c["rejected_samples"],
             "async/consumed_samples": float(self.consumed_samples),
         })
         if self.recipe.async_.max_off_policy_steps is not None:
             metrics["async/dropped_stale_frac"] = dropped_stale_frac(c)
-        version = int(res["weight_version"])
+        version = res.weight_version
         self.step_start_versions.append(version)
         # seed 004's i advances with every trainer step; dropped samples are credited back
         ray.get(self.rollouter.set_policy_step.remote(self.step + 1, dropped))

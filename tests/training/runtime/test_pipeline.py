@@ -646,3 +646,14 @@ def test_dropped_samples_are_credited_back():
     assert c.can_submit(2, 0)  # effective N_r = 4 − 2 + 2 = 4 → ⌊3/4⌋ = 0 ≤ 0
     assert not c.can_submit(3, 0)
     assert c.state_dict()["dropped_total"] == 2
+
+
+def test_the_version_clock_maps_weight_versions_to_trainer_steps():
+    from training.runtime.pipeline import step_of_version
+
+    # 4 optimizer steps per trainer step: step s started from version 4·s (versions 0..11)
+    starts = [0, 4, 8]
+    assert [step_of_version(starts, v) for v in range(12)] == [0] * 4 + [1] * 4 + [2] * 4
+    assert step_of_version(starts, 100) == 2  # newer than the last start: the current step
+    assert step_of_version([3, 5], 1) == 0  # older than the first start (a resumed run)
+    assert step_of_version([], 7) == 0
