@@ -39,13 +39,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from registry.models import (
-    Campaign,
-    CampaignOwner,
-    CandidateRun,
-    GateResult,
-    Promotion,
-    Recipe,
-    Stage,
+    CampaignOwnerRow,
+    CampaignRow,
+    CandidateRunRow,
+    GateResultRow,
+    PromotionRow,
+    RecipeRow,
+    StageRow,
     utcnow,
 )
 from training.ownership import ProcessIdentity
@@ -187,7 +187,7 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def _campaign_dict(c: Campaign) -> dict:
+def _campaign_dict(c: CampaignRow) -> dict:
     return {
         "id": c.id,
         "name": c.name,
@@ -200,7 +200,7 @@ def _campaign_dict(c: Campaign) -> dict:
     }
 
 
-def _stage_dict(s: Stage) -> dict:
+def _stage_dict(s: StageRow) -> dict:
     return {
         "campaign_id": s.campaign_id,
         "name": s.name,
@@ -212,11 +212,11 @@ def _stage_dict(s: Stage) -> dict:
     }
 
 
-def _recipe_dict(r: Recipe) -> dict:
+def _recipe_dict(r: RecipeRow) -> dict:
     return {"hash": r.hash, "name": r.name, "yaml": r.yaml, "created_at": _iso(r.created_at)}
 
 
-def _run_dict(r: CandidateRun) -> dict:
+def _run_dict(r: CandidateRunRow) -> dict:
     return {
         "id": r.id,
         "campaign_id": r.campaign_id,
@@ -234,7 +234,7 @@ def _run_dict(r: CandidateRun) -> dict:
     }
 
 
-def _gate_dict(g: GateResult) -> dict:
+def _gate_dict(g: GateResultRow) -> dict:
     window = None
     if g.window_start is not None or g.window_end is not None:
         window = (g.window_start, g.window_end)
@@ -251,7 +251,7 @@ def _gate_dict(g: GateResult) -> dict:
     }
 
 
-def _promotion_dict(p: Promotion) -> dict:
+def _promotion_dict(p: PromotionRow) -> dict:
     return {
         "id": p.id,
         "campaign_id": p.campaign_id,
@@ -477,10 +477,10 @@ class RegistryDB:
         for attempt in range(2):
             try:
                 with self._write() as s:
-                    existing = s.get(Campaign, campaign_id)
+                    existing = s.get(CampaignRow, campaign_id)
                     if existing is None:
                         now = utcnow()
-                        s.add(Campaign(id=campaign_id, name=name, spec=spec_json,
+                        s.add(CampaignRow(id=campaign_id, name=name, spec=spec_json,
                                        status="pending", created_at=now, updated_at=now))
                         return
                     if existing.spec != spec_json or existing.name != name:
@@ -495,13 +495,13 @@ class RegistryDB:
 
     def get_campaign(self, campaign_id: str) -> dict | None:
         with self._read() as s:
-            c = s.get(Campaign, campaign_id)
+            c = s.get(CampaignRow, campaign_id)
             return None if c is None else _campaign_dict(c)
 
     def list_campaigns(self) -> list[dict]:
         """Every campaign, oldest first."""
         with self._read() as s:
-            rows = s.scalars(select(Campaign).order_by(Campaign.created_at, Campaign.id))
+            rows = s.scalars(select(CampaignRow).order_by(CampaignRow.created_at, CampaignRow.id))
             return [_campaign_dict(c) for c in rows]
 
     def set_campaign_status(
@@ -516,7 +516,7 @@ class RegistryDB:
         _check(status, CAMPAIGN_STATUSES, "campaign status")
         diagnosis_json = _json_dump(diagnosis, "campaign diagnosis")
         with self._write() as s:
-            c = s.get(Campaign, campaign_id)
+            c = s.get(CampaignRow, campaign_id)
             if c is None:
                 raise RegistryError(
                     f"no campaign {campaign_id!r} in the registry; create_campaign first"
@@ -531,7 +531,7 @@ class RegistryDB:
     # ---- stages --------------------------------------------------------------------------
 
     def _require_campaign(self, s: Session, campaign_id: str) -> None:
-        if s.get(Campaign, campaign_id) is None:
+        if s.get(CampaignRow, campaign_id) is None:
             raise RegistryError(
                 f"no campaign {campaign_id!r} in the registry; create_campaign first"
             )
@@ -544,11 +544,11 @@ class RegistryDB:
             try:
                 with self._write() as s:
                     self._require_campaign(s, campaign_id)
-                    row = s.scalar(select(Stage).where(Stage.campaign_id == campaign_id,
-                                                       Stage.name == name))
+                    row = s.scalar(select(StageRow).where(StageRow.campaign_id == campaign_id,
+                                                       StageRow.name == name))
                     now = utcnow()
                     if row is None:
-                        s.add(Stage(campaign_id=campaign_id, name=name, position=int(index),
+                        s.add(StageRow(campaign_id=campaign_id, name=name, position=int(index),
                                     status=status, created_at=now, updated_at=now))
                     elif row.position != int(index) or row.status != status:
                         row.position = int(index)
@@ -562,8 +562,8 @@ class RegistryDB:
     def stages(self, campaign_id: str) -> list[dict]:
         """A campaign's stages in ladder order."""
         with self._read() as s:
-            rows = s.scalars(select(Stage).where(Stage.campaign_id == campaign_id)
-                             .order_by(Stage.position, Stage.id))
+            rows = s.scalars(select(StageRow).where(StageRow.campaign_id == campaign_id)
+                             .order_by(StageRow.position, StageRow.id))
             return [_stage_dict(r) for r in rows]
 
     # ---- recipes -------------------------------------------------------------------------
@@ -575,8 +575,8 @@ class RegistryDB:
         for attempt in range(2):
             try:
                 with self._write() as s:
-                    if s.get(Recipe, recipe_hash) is None:
-                        s.add(Recipe(hash=recipe_hash, name=name, yaml=yaml_text,
+                    if s.get(RecipeRow, recipe_hash) is None:
+                        s.add(RecipeRow(hash=recipe_hash, name=name, yaml=yaml_text,
                                      created_at=utcnow()))
                     return
             except IntegrityError:
@@ -585,11 +585,11 @@ class RegistryDB:
 
     def get_recipe(self, recipe_hash: str) -> dict | None:
         with self._read() as s:
-            r = s.get(Recipe, recipe_hash)
+            r = s.get(RecipeRow, recipe_hash)
             return None if r is None else _recipe_dict(r)
 
     def _require_recipe(self, s: Session, recipe_hash: str) -> None:
-        if s.get(Recipe, recipe_hash) is None:
+        if s.get(RecipeRow, recipe_hash) is None:
             raise RegistryError(
                 f"no recipe {recipe_hash!r} in the registry; put_recipe it first"
             )
@@ -628,14 +628,14 @@ class RegistryDB:
                     recipe_hash: str, values: dict) -> int:
         self._require_campaign(s, campaign_id)
         self._require_recipe(s, recipe_hash)
-        row = s.scalar(select(CandidateRun).where(
-            CandidateRun.campaign_id == campaign_id,
-            CandidateRun.stage == stage,
-            CandidateRun.candidate == candidate,
+        row = s.scalar(select(CandidateRunRow).where(
+            CandidateRunRow.campaign_id == campaign_id,
+            CandidateRunRow.stage == stage,
+            CandidateRunRow.candidate == candidate,
         ))
         now = utcnow()
         if row is None:
-            row = CandidateRun(campaign_id=campaign_id, stage=stage, candidate=candidate,
+            row = CandidateRunRow(campaign_id=campaign_id, stage=stage, candidate=candidate,
                                recipe_hash=recipe_hash, status="pending",
                                created_at=now, updated_at=now)
             s.add(row)
@@ -668,12 +668,12 @@ class RegistryDB:
         """A run by id, or by (campaign_id, stage, candidate)."""
         with self._read() as s:
             if run_id is not None:
-                row = s.get(CandidateRun, int(run_id))
+                row = s.get(CandidateRunRow, int(run_id))
             elif campaign_id is not None and stage is not None and candidate is not None:
-                row = s.scalar(select(CandidateRun).where(
-                    CandidateRun.campaign_id == campaign_id,
-                    CandidateRun.stage == stage,
-                    CandidateRun.candidate == candidate,
+                row = s.scalar(select(CandidateRunRow).where(
+                    CandidateRunRow.campaign_id == campaign_id,
+                    CandidateRunRow.stage == stage,
+                    CandidateRunRow.candidate == candidate,
                 ))
             else:
                 raise RegistryError(
@@ -684,10 +684,10 @@ class RegistryDB:
     def runs(self, campaign_id: str, stage: str | None = None) -> list[dict]:
         """A campaign's runs (of one stage if given), in creation order."""
         with self._read() as s:
-            q = select(CandidateRun).where(CandidateRun.campaign_id == campaign_id)
+            q = select(CandidateRunRow).where(CandidateRunRow.campaign_id == campaign_id)
             if stage is not None:
-                q = q.where(CandidateRun.stage == stage)
-            return [_run_dict(r) for r in s.scalars(q.order_by(CandidateRun.id))]
+                q = q.where(CandidateRunRow.stage == stage)
+            return [_run_dict(r) for r in s.scalars(q.order_by(CandidateRunRow.id))]
 
     # ---- gates ---------------------------------------------------------------------------
 
@@ -722,22 +722,22 @@ class RegistryDB:
                 params=_json_dump(r.get("params"), f"gate {name!r} params"),
             ))
         with self._write() as s:
-            if s.get(CandidateRun, int(run_id)) is None:
+            if s.get(CandidateRunRow, int(run_id)) is None:
                 raise RegistryError(f"no run {run_id} in the registry; upsert_run first")
-            existing = s.scalars(select(GateResult).where(GateResult.run_id == int(run_id))
-                                 .order_by(GateResult.id)).all()
+            existing = s.scalars(select(GateResultRow).where(GateResultRow.run_id == int(run_id))
+                                 .order_by(GateResultRow.id)).all()
             if [{k: getattr(g, k) for k in _GATE_COLUMNS} for g in existing] == rows:
                 return  # the same results again: keep the rows (and their ids) as they are
-            s.execute(delete(GateResult).where(GateResult.run_id == int(run_id)))
+            s.execute(delete(GateResultRow).where(GateResultRow.run_id == int(run_id)))
             now = utcnow()
             for row in rows:
-                s.add(GateResult(run_id=int(run_id), created_at=now, **row))
+                s.add(GateResultRow(run_id=int(run_id), created_at=now, **row))
 
     def gate_results(self, run_id: int) -> list[dict]:
         """A run's gate results in the order they were recorded."""
         with self._read() as s:
-            rows = s.scalars(select(GateResult).where(GateResult.run_id == int(run_id))
-                             .order_by(GateResult.id))
+            rows = s.scalars(select(GateResultRow).where(GateResultRow.run_id == int(run_id))
+                             .order_by(GateResultRow.id))
             return [_gate_dict(g) for g in rows]
 
     # ---- promotions ----------------------------------------------------------------------
@@ -791,10 +791,10 @@ class RegistryDB:
             self._require_campaign(s, campaign_id)
         self._require_recipe(s, recipe_hash)
         if actor == AUTO:
-            existing = s.scalar(select(Promotion).where(
-                Promotion.actor == AUTO,
-                Promotion.campaign_id == campaign_id,
-                Promotion.stage == stage,
+            existing = s.scalar(select(PromotionRow).where(
+                PromotionRow.actor == AUTO,
+                PromotionRow.campaign_id == campaign_id,
+                PromotionRow.stage == stage,
             ))
             if existing is not None:
                 if (existing.candidate, existing.recipe_hash) != (candidate, recipe_hash):
@@ -804,7 +804,7 @@ class RegistryDB:
                         "it, retire that promotion and promote by hand with a reason"
                     )
                 return existing.id
-        row = Promotion(campaign_id=campaign_id, stage=stage, candidate=candidate,
+        row = PromotionRow(campaign_id=campaign_id, stage=stage, candidate=candidate,
                         recipe_hash=recipe_hash, checkpoint=checkpoint,
                         mlflow_version=mlflow_version, actor=actor, reason=reason,
                         status="active", created_at=utcnow())
@@ -816,7 +816,8 @@ class RegistryDB:
 
     def _sync_stage_promoted(self, s: Session, campaign_id: str, stage: str) -> None:
         """Keep ``stages.promoted_candidate`` equal to the newest active promotion's candidate."""
-        row = s.scalar(select(Stage).where(Stage.campaign_id == campaign_id, Stage.name == stage))
+        row = s.scalar(select(StageRow).where(StageRow.campaign_id == campaign_id,
+                                              StageRow.name == stage))
         if row is None:
             return
         current = self._promoted(s, campaign_id, stage)
@@ -833,7 +834,7 @@ class RegistryDB:
                 f"retiring promotion {promotion_id} needs a reason; pass reason='why'"
             )
         with self._write() as s:
-            row = s.get(Promotion, int(promotion_id))
+            row = s.get(PromotionRow, int(promotion_id))
             if row is None:
                 raise RegistryError(
                     f"no promotion {promotion_id} in the registry; list them with promotions()"
@@ -855,20 +856,20 @@ class RegistryDB:
         if status is not None:
             _check(status, PROMOTION_STATUSES, "promotion status")
         with self._read() as s:
-            q = select(Promotion)
+            q = select(PromotionRow)
             if campaign_id is not None:
-                q = q.where(Promotion.campaign_id == campaign_id)
+                q = q.where(PromotionRow.campaign_id == campaign_id)
             if status is not None:
-                q = q.where(Promotion.status == status)
-            return [_promotion_dict(p) for p in s.scalars(q.order_by(Promotion.id))]
+                q = q.where(PromotionRow.status == status)
+            return [_promotion_dict(p) for p in s.scalars(q.order_by(PromotionRow.id))]
 
     @staticmethod
-    def _promoted(s: Session, campaign_id: str, stage: str) -> Promotion | None:
-        return s.scalar(select(Promotion).where(
-            Promotion.campaign_id == campaign_id,
-            Promotion.stage == stage,
-            Promotion.status == "active",
-        ).order_by(Promotion.id.desc()).limit(1))
+    def _promoted(s: Session, campaign_id: str, stage: str) -> PromotionRow | None:
+        return s.scalar(select(PromotionRow).where(
+            PromotionRow.campaign_id == campaign_id,
+            PromotionRow.stage == stage,
+            PromotionRow.status == "active",
+        ).order_by(PromotionRow.id.desc()).limit(1))
 
     def promoted(self, campaign_id: str, stage: str) -> dict | None:
         """The active promotion of a campaign stage (the newest, if a person added one), or
@@ -890,7 +891,7 @@ class RegistryDB:
             try:
                 with self._write() as s:
                     self._require_campaign(s, campaign_id)
-                    row = s.get(CampaignOwner, campaign_id, with_for_update=True)
+                    row = s.get(CampaignOwnerRow, campaign_id, with_for_update=True)
                     now = utcnow()
                     previous = None
                     if row is not None and row.token != owner.token:
@@ -905,7 +906,7 @@ class RegistryDB:
                         s.flush()
                         row = None
                     if row is None:
-                        s.add(CampaignOwner(campaign_id=campaign_id, token=owner.token,
+                        s.add(CampaignOwnerRow(campaign_id=campaign_id, token=owner.token,
                                             host=owner.host, pid=owner.pid,
                                             start_ticks=owner.start_ticks, acquired_at=now,
                                             heartbeat_at=now))
@@ -920,7 +921,7 @@ class RegistryDB:
     def heartbeat_campaign(self, campaign_id: str, token: str) -> bool:
         """Refresh the owner's heartbeat; False when ``token`` no longer owns the campaign."""
         with self._write() as s:
-            row = s.get(CampaignOwner, campaign_id)
+            row = s.get(CampaignOwnerRow, campaign_id)
             if row is None or row.token != token:
                 return False
             row.heartbeat_at = utcnow()
@@ -929,13 +930,13 @@ class RegistryDB:
     def release_campaign(self, campaign_id: str, token: str) -> None:
         """End ``token``'s ownership (a no-op when it no longer owns the campaign)."""
         with self._write() as s:
-            s.execute(delete(CampaignOwner).where(CampaignOwner.campaign_id == campaign_id,
-                                                  CampaignOwner.token == token))
+            s.execute(delete(CampaignOwnerRow).where(CampaignOwnerRow.campaign_id == campaign_id,
+                                                  CampaignOwnerRow.token == token))
 
     def campaign_owner(self, campaign_id: str, heartbeat_ttl_s: float) -> dict | None:
         """The campaign's owner row (``host``, ``pid``, ``alive``, ``describe``, …), or None."""
         with self._read() as s:
-            row = s.get(CampaignOwner, campaign_id)
+            row = s.get(CampaignOwnerRow, campaign_id)
             return None if row is None else _owner_dict(row, heartbeat_ttl_s)
 
 
@@ -959,7 +960,7 @@ def owner_alive(identity: ProcessIdentity, heartbeat_at: datetime, heartbeat_ttl
     return (utcnow() - heartbeat_at).total_seconds() < heartbeat_ttl_s
 
 
-def _owner_dict(row: CampaignOwner, heartbeat_ttl_s: float) -> dict:
+def _owner_dict(row: CampaignOwnerRow, heartbeat_ttl_s: float) -> dict:
     identity = ProcessIdentity(host=row.host, pid=row.pid, start_ticks=row.start_ticks,
                                token=row.token, since=_aware(row.acquired_at).timestamp())
     return {"campaign_id": row.campaign_id, "host": row.host, "pid": row.pid,

@@ -67,7 +67,7 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-class Campaign(Base):
+class CampaignRow(Base):
     """A launched campaign. ``spec`` is the validated campaign (JSON); ``status`` is one of
     pending|running|finished|failed|stopped; ``verdict`` is a one-line outcome and ``diagnosis``
     (JSON) the decision-tree causes when no candidate passed."""
@@ -84,7 +84,7 @@ class Campaign(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Stage(Base):
+class StageRow(Base):
     """One stage of a campaign: its position in the ladder (``position``, exposed as ``index``),
     status (pending|running|finished|failed|stopped) and the candidate promoted from it."""
 
@@ -103,7 +103,7 @@ class Stage(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Recipe(Base):
+class RecipeRow(Base):
     """A recipe by content hash (the identity training uses), with the YAML it was made from."""
 
     __tablename__ = "recipes"
@@ -114,7 +114,7 @@ class Recipe(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class CandidateRun(Base):
+class CandidateRunRow(Base):
     """One training run of a candidate recipe in a campaign stage. ``status`` is one of
     pending|running|finished|failed|rejected; ``summary`` is the trainer's result (JSON)."""
 
@@ -138,7 +138,7 @@ class CandidateRun(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class GateResult(Base):
+class GateResultRow(Base):
     """One gate's verdict on one run: the observed ``value`` against ``threshold`` over the step
     window [``window_start``, ``window_end``], with its ``evidence`` and ``params`` (both JSON)."""
 
@@ -160,7 +160,7 @@ class GateResult(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Promotion(Base):
+class PromotionRow(Base):
     """A promoted recipe/checkpoint. ``actor`` is ``"auto"`` (a campaign's promote task) or a user
     name; auto promotions are unique per (campaign, stage), which makes them idempotent.
     ``status`` is active|retired; ``retired_*`` record who retired it and why (revision 0002)."""
@@ -196,7 +196,7 @@ class Promotion(Base):
     retire_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
-class CampaignOwner(Base):
+class CampaignOwnerRow(Base):
     """The process that owns a campaign while it runs (revision 0003): ``host``, ``pid`` and the
     process's start time in clock ticks (``start_ticks``, so a reused PID is not taken for the
     owner), a random ``token`` naming this ownership, and ``heartbeat_at``, refreshed while it

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import update
 
 from registry.db import CampaignOwnedError, RegistryDB
-from registry.models import CampaignOwner, utcnow
+from registry.models import CampaignOwnerRow, utcnow
 from registry.ownership import HEARTBEAT_TTL_S, CampaignLease, effective_status
 from training.ownership import ProcessIdentity
 
@@ -76,7 +76,7 @@ def test_dead_or_reused_pid_and_stale_remote_heartbeat_are_taken_over(db_url):
     with pytest.raises(CampaignOwnedError, match=r"PID 1 on elsewhere\.invalid"):
         db.acquire_campaign("c1", me, HEARTBEAT_TTL_S)
     with db._write() as s:
-        s.execute(update(CampaignOwner).values(
+        s.execute(update(CampaignOwnerRow).values(
             heartbeat_at=utcnow() - timedelta(seconds=HEARTBEAT_TTL_S + 1)))
     assert db.acquire_campaign("c1", me, HEARTBEAT_TTL_S)["host"] == "elsewhere.invalid"
     db.close()
@@ -149,7 +149,7 @@ def test_an_owner_that_lost_the_campaign_stops_at_once(db_url):
     try:
         assert proc.stdout.readline().strip() == "owned"
         with db._write() as s:  # another host takes it over
-            s.execute(update(CampaignOwner).values(token="new-owner", host="elsewhere.invalid"))
+            s.execute(update(CampaignOwnerRow).values(token="new-owner", host="elsewhere.invalid"))
         out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
