@@ -10,25 +10,12 @@ from typing import Any
 
 import typer
 
+from ui.common import DEFAULT_PREFECT_PORT, HOST, answers, fail, require_state_dir
+
 campaign_app = typer.Typer(help="Run staged campaigns (Prefect flows) and inspect them.",
                            no_args_is_help=True)
 registry_app = typer.Typer(help="The recipe registry: promoted recipes and checkpoints.",
                            no_args_is_help=True)
-
-
-def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def require_state_dir() -> None:
-    """A read-only or uncreatable $ASYNCRL_HOME is one line before any service starts."""
-    from training.paths import StateDirError, require_writable_state_dir
-
-    try:
-        require_writable_state_dir()
-    except StateDirError as e:
-        _fail(str(e))
 
 
 def _db(url: str | None = None):
@@ -37,7 +24,7 @@ def _db(url: str | None = None):
     try:
         return RegistryDB(url)
     except RegistryError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 # --- campaign -----------------------------------------------------------------------------------
@@ -76,14 +63,14 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
     try:
         campaign, base = load_campaign(path)
     except CampaignError as e:
-        _fail(str(e))
+        fail(str(e))
     db = _db()
     try:
         cflow.record_campaign(db, campaign, base, path, campaign_id)
         with CampaignLease(db, campaign_id):
             _follow_flow(cflow, path, campaign_id, as_json)
     except RegistryError as e:  # CampaignOwnedError: another live process runs it
-        _fail(str(e))
+        fail(str(e))
     finally:
         db.close()
 
@@ -122,16 +109,16 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool) -> Non
                 raise out
         except (CampaignError, RecipeError, RunError, RegistryError) as e:
             live.stop()
-            _fail(f"{e} (campaign {campaign_id}; resume with: asyncrl campaign resume "
+            fail(f"{e} (campaign {campaign_id}; resume with: asyncrl campaign resume "
                   f"{campaign_id})")
         except KeyboardInterrupt:
             live.stop()
-            _fail(f"interrupted; resume with: asyncrl campaign resume {campaign_id}", 130)
+            fail(f"interrupted; resume with: asyncrl campaign resume {campaign_id}", 130)
         except RuntimeError as e:
             if "Prefect API" not in str(e):
                 raise
             live.stop()
-            _fail(f"Prefect's temporary API server did not start ({str(e).splitlines()[0]}); "
+            fail(f"Prefect's temporary API server did not start ({str(e).splitlines()[0]}); "
                   "the machine may be busy: try again, raise "
                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or run `asyncrl up` and "
                   "set PREFECT_API_URL")
@@ -192,7 +179,7 @@ def launch(
     try:
         campaign, _ = load_campaign(path)
     except CampaignError as e:
-        _fail(str(e))
+        fail(str(e))
     require_state_dir()
     from flows.campaign import new_campaign_id
 
@@ -200,7 +187,7 @@ def launch(
     if deployment:
         _run_deployment(path, cid, deployment_name or campaign.name, as_json, detach, timeout)
     elif deployment_name or detach or timeout:
-        _fail("--deployment-name, --detach and --timeout go with --deployment")
+        fail("--deployment-name, --detach and --timeout go with --deployment")
     else:
         _run_flow(path, cid, as_json)
 
@@ -216,15 +203,14 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
 
     from rich.console import Console
 
-    from ui.services_cli import DEFAULT_PREFECT_PORT, HOST, _answers
 
     api = os.environ.get("PREFECT_API_URL", "").strip()
     hint = (f"start one with `asyncrl up`, set PREFECT_API_URL=http://{HOST}:"
             f"{DEFAULT_PREFECT_PORT}/api and serve the campaign with `asyncrl deploy {path}`")
     if not api:
-        _fail(f"--deployment needs a Prefect server and PREFECT_API_URL is not set; {hint}")
-    if not _answers(api.rstrip("/") + "/health"):
-        _fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
+        fail(f"--deployment needs a Prefect server and PREFECT_API_URL is not set; {hint}")
+    if not answers(api.rstrip("/") + "/health"):
+        fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
     from flows.deploy import FLOW_NAME  # importing flows configures Prefect before Prefect
 
     full = f"{FLOW_NAME}/{name}"
@@ -235,7 +221,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
         try:
             client.read_deployment_by_name(full)
         except Exception:  # prefect's ObjectNotFound (or an HTTP error saying the same)
-            _fail(f"no deployment {full!r} on {api}; serve it with `asyncrl deploy {path}"
+            fail(f"no deployment {full!r} on {api}; serve it with `asyncrl deploy {path}"
                   + (f" --name {name}`" if name else "`")
                   + " (or pass --deployment-name)")
     run = run_deployment(full, parameters={"campaign_path": str(Path(path).resolve()),
@@ -267,7 +253,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
             if state is not None and state.type.value in _TERMINAL:
                 break
             if timeout and time.monotonic() - start > timeout:
-                _fail(f"stopped waiting after {timeout:.0f} s; the run goes on: "
+                fail(f"stopped waiting after {timeout:.0f} s; the run goes on: "
                       f"`asyncrl campaign status {campaign_id}`, {ui}", 3)
             time.sleep(2.0)
     db = _db()
@@ -275,7 +261,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
     promos = db.promotions(campaign_id=campaign_id)
     db.close()
     if row is None:
-        _fail(f"the flow run ended ({state.type.value}: {state.message or ''}) before the "
+        fail(f"the flow run ended ({state.type.value}: {state.message or ''}) before the "
               f"campaign was recorded; see {ui}")
     out = {"campaign_id": campaign_id, "status": row["status"], "verdict": row["verdict"] or "",
            "diagnosis": row.get("diagnosis"), "flow_run_id": str(run.id), "flow_run_url": ui,
@@ -283,7 +269,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
                                                       "mlflow_version")}
                         for p in promos if p["actor"] == "auto"}}
     if state.type.value != "COMPLETED" and row["status"] not in ("finished", "stopped"):
-        _fail(f"flow run {state.type.value.lower()}: {state.message or ''} (campaign "
+        fail(f"flow run {state.type.value.lower()}: {state.message or ''} (campaign "
               f"{campaign_id}; see {ui}; resume with: asyncrl campaign resume {campaign_id})")
     _print_outcome(console, out, as_json)
     if out["status"] != "finished":
@@ -300,10 +286,10 @@ def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
     row = db.get_campaign(campaign_id)
     db.close()
     if row is None:
-        _fail(f"no campaign {campaign_id!r} in the registry; `asyncrl campaign list` shows them")
+        fail(f"no campaign {campaign_id!r} in the registry; `asyncrl campaign list` shows them")
     path = Path(row["spec"].get("path", ""))
     if not path.is_file():
-        _fail(f"the campaign file {path} of {campaign_id} is gone; restore it to resume")
+        fail(f"the campaign file {path} of {campaign_id} is gone; restore it to resume")
     _run_flow(path, campaign_id, as_json)
 
 
@@ -349,11 +335,11 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
     if campaign_id is None:
         rows = sorted(db.list_campaigns(), key=lambda r: r.get("created_at") or "")
         if not rows:
-            _fail("no campaigns yet; start one with `asyncrl campaign launch campaigns/quick.yaml`")
+            fail("no campaigns yet; start one with `asyncrl campaign launch campaigns/quick.yaml`")
         campaign_id = rows[-1]["id"]
     row = db.get_campaign(campaign_id)
     if row is None:
-        _fail(f"no campaign {campaign_id!r}; `asyncrl campaign list` shows them")
+        fail(f"no campaign {campaign_id!r}; `asyncrl campaign list` shows them")
     from registry.ownership import effective_status
 
     status_now, owner = effective_status(db, row)
@@ -441,7 +427,7 @@ def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -
     promos = [p for p in db.promotions() if p["recipe_hash"] == recipe_hash]
     db.close()
     if row is None:
-        _fail(f"no recipe {recipe_hash!r} in the registry; `asyncrl registry list` shows the "
+        fail(f"no recipe {recipe_hash!r} in the registry; `asyncrl registry list` shows the "
               "promoted ones")
     typer.echo(f"# recipe {recipe_hash} ({row['name']})")
     typer.echo(row["yaml"])
@@ -465,13 +451,13 @@ def registry_promote(
 
     db = _db()
     if db.get_recipe(recipe_hash) is None:
-        _fail(f"no recipe {recipe_hash!r} in the registry")
+        fail(f"no recipe {recipe_hash!r} in the registry")
     try:
         pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
                          campaign_id=campaign_id, stage=stage,
                          actor=actor or os.environ.get("USER", "user"), reason=reason)
     except RegistryError as e:
-        _fail(str(e))
+        fail(str(e))
     db.close()
     typer.echo(f"promotion {pid}: {recipe_hash}")
 
@@ -487,7 +473,7 @@ def registry_retire(promotion_id: int = typer.Argument(..., help="Promotion id."
     try:
         db.retire(promotion_id, actor=actor or os.environ.get("USER", "user"), reason=reason)
     except RegistryError as e:
-        _fail(str(e))
+        fail(str(e))
     db.close()
     typer.echo(f"promotion {promotion_id} retired")
 
@@ -500,12 +486,12 @@ def _history(run: Path) -> list[dict[str, Any]]:
 
     path = run / "metrics.jsonl" if run.is_dir() else run
     if not path.is_file():
-        _fail(f"{run} has no metrics.jsonl; pass a run directory written by asyncrl train or a "
+        fail(f"{run} has no metrics.jsonl; pass a run directory written by asyncrl train or a "
               "campaign")
     try:
         return read_metrics(path)
     except ValueError as e:
-        _fail(f"{path}: {e}")
+        fail(f"{path}: {e}")
     return []
 
 
@@ -560,7 +546,7 @@ def gates_cmd(
                                  if g.get("relative_to") else None,
                                  context=context).to_dict() for g in specs]
     except (KeyError, ValueError) as e:
-        _fail(str(e.args[0]) if e.args else str(e))
+        fail(str(e.args[0]) if e.args else str(e))
     if as_json:
         typer.echo(json.dumps({"judged_with": used, "results": results}, indent=2))
     else:

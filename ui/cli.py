@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from ui.common import fail, require_state_dir
+
 app = typer.Typer(
     name="asyncrl",
     help="Asynchronous RL post-training of LLMs: campaigns, stability gates, promotion, tracking.",
@@ -18,12 +20,6 @@ app = typer.Typer(
 algorithms_app = typer.Typer(help="Inspect the off-policy algorithms library.",
                              no_args_is_help=True)
 app.add_typer(algorithms_app, name="algorithms")
-
-
-def _fail(message: str) -> None:
-    """A user error: one line on stderr naming the problem and the fix, exit code 1."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
 
 
 def _version() -> str:
@@ -82,23 +78,23 @@ def diagnose_metrics(
     try:
         data = json.loads(metrics_file.read_text())
     except (FileNotFoundError, IsADirectoryError):
-        _fail(f"{metrics_file} is not a file; pass the path of a metrics JSON file")
+        fail(f"{metrics_file} is not a file; pass the path of a metrics JSON file")
     except json.JSONDecodeError as e:
-        _fail(f"{metrics_file} is not valid JSON ({e.msg} at line {e.lineno}); fix the file")
+        fail(f"{metrics_file} is not valid JSON ({e.msg} at line {e.lineno}); fix the file")
     if not isinstance(data, dict):
-        _fail(f"{metrics_file} must hold a JSON object {{metric: value}}")
+        fail(f"{metrics_file} must hold a JSON object {{metric: value}}")
     latest: dict[str, float] = {}
     history: dict[str, list[float]] = {}
     for key, value in data.items():
         if isinstance(value, list):
             if not value or not all(isinstance(v, int | float) for v in value):
-                _fail(f"metric {key!r} must be a number or a non-empty list of numbers")
+                fail(f"metric {key!r} must be a number or a non-empty list of numbers")
             history[key] = [float(v) for v in value]
             latest[key] = float(value[-1])
         elif isinstance(value, int | float):
             latest[key] = float(value)
         else:
-            _fail(f"metric {key!r} must be a number or a non-empty list of numbers")
+            fail(f"metric {key!r} must be a number or a non-empty list of numbers")
     result = diagnose(latest, history=history)
     if result.healthy:
         typer.echo("healthy: no meaningful drift (seed 001, step 1)")
@@ -141,7 +137,7 @@ def engine_serve(
     """Serve a checkpoint over SGLang's HTTP API (/generate, /update_weights_from_disk, …) with
     continuous batching on CPU."""
     if dtype not in ("bf16", "fp32", "fp8"):
-        _fail(f"--dtype {dtype!r} is not one of bf16, fp32, fp8")
+        fail(f"--dtype {dtype!r} is not one of bf16, fp32, fp8")
     from training.engines.embedded.server import ServerConfig, ServerStartError, serve
     from training.engines.hf_io import CheckpointError
 
@@ -150,7 +146,7 @@ def engine_serve(
                            logit_noise=logit_noise, seed=seed, max_batch=max_batch,
                            threads=threads, weight_version=weight_version))
     except (CheckpointError, ServerStartError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,7 +155,7 @@ def engine_serve(
 def _parse_task_arg(item: str) -> tuple[str, int | float | str]:
     key, sep, raw = item.partition("=")
     if not sep or not key:
-        _fail(f"--task-arg {item!r} must look like KEY=VALUE (e.g. max_k=6, path=data.jsonl)")
+        fail(f"--task-arg {item!r} must look like KEY=VALUE (e.g. max_k=6, path=data.jsonl)")
     for convert in (int, float):
         try:
             return key, convert(raw)
@@ -168,24 +164,18 @@ def _parse_task_arg(item: str) -> tuple[str, int | float | str]:
     return key, raw
 
 
-def _require_state_dir() -> None:
-    from ui.campaign_cli import require_state_dir
-
-    require_state_dir()
-
-
 def _check_writable(out: Path) -> None:
     """Fail fast (before training) if ``out`` cannot be created or written."""
     import tempfile
 
     if out.exists() and not out.is_dir():
-        _fail(f"--out {out} is a file; pass a directory path")
+        fail(f"--out {out} is a file; pass a directory path")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe-"):
             pass
     except OSError as e:
-        _fail(f"cannot write --out {out} ({e.strerror or e}); pass a writable directory path")
+        fail(f"cannot write --out {out} ({e.strerror or e}); pass a writable directory path")
 
 
 @app.command("warmstart")
@@ -212,7 +202,7 @@ def warmstart(
     """Supervised warm start so RL starts with reward signal: train, evaluate per difficulty,
     write an HF checkpoint. Cached by config hash under $ASYNCRL_HOME/cache/warmstart."""
     _check_writable(out)
-    _require_state_dir()  # the warm-start cache lives there
+    require_state_dir()  # the warm-start cache lives there
     task_args = tuple(sorted(dict(_parse_task_arg(a) for a in task_arg).items()))
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -226,9 +216,9 @@ def warmstart(
                               moe_finetune_steps=moe_finetune_steps)
         cfg.build_task()  # an unknown task or a bad task argument fails before any training
     except KeyError as e:
-        _fail(str(e.args[0]) if e.args else str(e))
+        fail(str(e.args[0]) if e.args else str(e))
     except (TypeError, ValueError, OSError) as e:
-        _fail(f"task {task!r}: {e}")
+        fail(f"task {task!r}: {e}")
 
     console = Console()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
@@ -244,7 +234,7 @@ def warmstart(
         try:
             result = warm_start(cfg, out, use_cache=not no_cache, progress=on_event)
         except (FileExistsError, OSError, ValueError) as e:
-            _fail(str(e))
+            fail(str(e))
     _print_warmstart(console, result)
 
 
@@ -291,14 +281,14 @@ def check_mismatch(
     from training.engines.rollout import RolloutEngineError
 
     if dtype not in ("bf16", "fp32", "fp8"):
-        _fail(f"--dtype must be bf16, fp32 or fp8, got {dtype!r}")
+        fail(f"--dtype must be bf16, fp32 or fp8, got {dtype!r}")
     try:
         report = run_mismatch_check(
             checkpoint, engine, prompts=prompts, samples_per_prompt=samples,
             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, dtype=dtype,
             logit_noise=logit_noise, task=task)
     except (CheckpointError, RolloutEngineError, ValueError, KeyError) as e:
-        _fail(str(e).strip("'\""))
+        fail(str(e).strip("'\""))
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
         return
@@ -357,7 +347,7 @@ def schema_recipe(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     except OSError as e:
-        _fail(f"cannot write --out {out} ({e.strerror or e}); pass a writable file path")
+        fail(f"cannot write --out {out} ({e.strerror or e}); pass a writable file path")
     typer.echo(f"wrote {out}")
 
 
@@ -383,12 +373,12 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
         key, sep, raw = item.partition("=")
         parts = [p.strip() for p in key.split(".")]
         if not sep or not all(parts):
-            _fail(f"--set {short_repr(item)} must look like KEY=VALUE (e.g. optim.lr=1e-4, "
+            fail(f"--set {short_repr(item)} must look like KEY=VALUE (e.g. optim.lr=1e-4, "
                   "async.mode=fully_async)")
         try:  # the recipe file's rules: no aliases, tags, dates, yes/no or 5000-digit ints
             value = yaml.load(raw, Loader=StrictSafeLoader)
         except yaml.YAMLError as e:
-            _fail(f"--set {short_repr(item)}: the value is not valid YAML "
+            fail(f"--set {short_repr(item)}: the value is not valid YAML "
                   f"({getattr(e, 'problem', None) or 'syntax error'}); quote or fix it")
         if isinstance(value, str) and re.fullmatch(_SCI_FLOAT, value.strip()):
             value = float(value)
@@ -441,11 +431,11 @@ def train(
     try:
         recipe = load_recipe(recipe_path, overrides)
     except RecipeError as e:
-        _fail(str(e))
-    _require_state_dir()  # warm-start cache and engine logs live there, whatever --out says
+        fail(str(e))
+    require_state_dir()  # warm-start cache and engine logs live there, whatever --out says
     if resume is not None:
         if out is not None and out.resolve() != resume.resolve():
-            _fail("--out and --resume disagree: a resumed run continues in its own directory; "
+            fail("--out and --resume disagree: a resumed run continues in its own directory; "
                   "drop --out")
         run_dir = resume
     elif out is not None:
@@ -460,7 +450,7 @@ def train(
     if resume is None:
         _check_writable(run_dir)
         if (run_dir / "recipe.yaml").exists():
-            _fail(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pass "
+            fail(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pass "
                   "another --out")
 
     import logging
@@ -529,7 +519,7 @@ def train(
                                 progress=on_step, checkpoint_every=checkpoint_every)
         except (RecipeError, RunError, CheckpointError) as e:
             bar.stop()
-            _fail(str(e))
+            fail(str(e))
         except KeyboardInterrupt:
             bar.stop()
             hint = (f"; resume with: asyncrl train {recipe_path} --resume {run_dir}"

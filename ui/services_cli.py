@@ -21,16 +21,17 @@ from typing import Any
 
 import typer
 
+from ui.common import (
+    DEFAULT_MLFLOW_PORT,
+    DEFAULT_PREFECT_PORT,
+    HOST,
+    answers,
+    fail,
+    require_state_dir,
+)
+
 RECORD_FILE = "services.json"
 STOP_GRACE_S = 15.0
-DEFAULT_PREFECT_PORT = 4200
-DEFAULT_MLFLOW_PORT = 5000
-HOST = "127.0.0.1"
-
-
-def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
 
 
 # --- process bookkeeping ------------------------------------------------------------------------
@@ -49,7 +50,7 @@ def _load_record() -> dict[str, dict[str, Any]]:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
-        _fail(f"{path} is not readable JSON; stop the servers it named by hand and delete it")
+        fail(f"{path} is not readable JSON; stop the servers it named by hand and delete it")
     return data if isinstance(data, dict) else {}
 
 
@@ -161,17 +162,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _answers(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 # --- the services -------------------------------------------------------------------------------
 
 
@@ -257,7 +247,7 @@ def _spawn(name: str, spec: dict[str, Any], port: int) -> dict[str, Any]:
                                     stderr=subprocess.STDOUT, env=env, cwd=state_dir(),
                                     start_new_session=True)
         except OSError as e:
-            _fail(f"cannot start the {name} server: {e}")
+            fail(f"cannot start the {name} server: {e}")
     return {"pid": proc.pid, "pgid": proc.pid, "proc_start": _start_ticks(proc.pid),
             "port": port, "url": spec["url"], "health": spec["health"],
             "export": f"{spec['export'][0]}={spec['export'][1]}",
@@ -277,7 +267,7 @@ def _wait_ready(started: dict[str, dict[str, Any]], timeout: float) -> None:
     with Console(stderr=True).status(f"starting {', '.join(pending)} …") as status:
         while pending and problem is None:
             for name, entry in list(pending.items()):
-                if _answers(entry["health"]):
+                if answers(entry["health"]):
                     del pending[name]
                 elif not _pid_alive(entry["pid"]):
                     problem = (f"the {name} server exited while starting; see "
@@ -297,7 +287,7 @@ def _wait_ready(started: dict[str, dict[str, Any]], timeout: float) -> None:
         for name in started:
             record.pop(name, None)
         _save_record(record)
-        _fail(problem)
+        fail(problem)
 
 
 def up(
@@ -321,11 +311,9 @@ def up(
     wanted = {n: p for n, p, off in (("prefect", prefect_port, no_prefect),
                                      ("mlflow", mlflow_port, no_mlflow)) if not off}
     if not wanted:
-        _fail("nothing to start: drop --no-prefect or --no-mlflow")
+        fail("nothing to start: drop --no-prefect or --no-mlflow")
     if len(wanted) == 2 and prefect_port == mlflow_port:
-        _fail(f"--prefect-port and --mlflow-port are both {prefect_port}; choose two ports")
-    from ui.campaign_cli import require_state_dir
-
+        fail(f"--prefect-port and --mlflow-port are both {prefect_port}; choose two ports")
     require_state_dir()
     record = _load_record()
     running: list[str] = []
@@ -335,24 +323,24 @@ def up(
         entry = record.get(name)
         if entry is not None and _is_ours(entry):
             if int(entry["port"]) != port:
-                _fail(f"{name} is already running on port {entry['port']} (pid {entry['pid']}); "
+                fail(f"{name} is already running on port {entry['port']} (pid {entry['pid']}); "
                       f"`asyncrl down` first to move it to port {port}")
             if extra and entry.get("store"):
                 from flows.tracking import redact_uri
 
                 want = redact_uri(_mlflow_store(mlflow_store))
                 if entry["store"] != want:
-                    _fail(f"mlflow is already running on store {entry['store']} (pid "
+                    fail(f"mlflow is already running on store {entry['store']} (pid "
                           f"{entry['pid']}); `asyncrl down` first to serve {want}")
             running.append(name)
             continue
         record.pop(name, None)  # a stale entry: the process is gone
         if not 0 < port < 65536:
-            _fail(f"port {port} is not a valid port; choose another with "
+            fail(f"port {port} is not a valid port; choose another with "
                   f"{'--prefect-port' if name == 'prefect' else '--mlflow-port'}")
         spec = service_spec(name, port, **extra)
         if not _port_free(port):
-            _fail(f"port {port} on {HOST} is already in use (wanted for {name}); choose another "
+            fail(f"port {port} on {HOST} is already in use (wanted for {name}); choose another "
                   f"with {spec['option']} or stop what uses it")
         to_start[name] = spec
 
@@ -393,7 +381,7 @@ def down() -> None:
             typer.echo(f"{name}: stopped (pid {e['pid']})")
     _save_record(remaining)
     if remaining:
-        _fail("could not stop " + ", ".join(f"{n} (process group {e.get('pgid', e['pid'])})"
+        fail("could not stop " + ", ".join(f"{n} (process group {e.get('pgid', e['pid'])})"
                                             for n, e in remaining.items()))
 
 
@@ -415,20 +403,20 @@ def deploy(
     scheduled run waits while another campaign trains). Trigger one from the UI or with
     `prefect deployment run 'asyncrl-scheduled-campaign/NAME'`."""
     if cron is not None and interval is not None:
-        _fail("--cron and --interval are two schedules; pass one")
+        fail("--cron and --interval are two schedules; pass one")
     from registry.campaign import CampaignError, load_campaign
 
     try:
         campaign, _ = load_campaign(path)
     except CampaignError as e:
-        _fail(str(e))
+        fail(str(e))
     api = os.environ.get("PREFECT_API_URL", "").strip()
     hint = (f"start one with `asyncrl up` and set PREFECT_API_URL=http://{HOST}:"
             f"{DEFAULT_PREFECT_PORT}/api")
     if not api:
-        _fail(f"deploy needs a Prefect server and PREFECT_API_URL is not set; {hint}")
-    if not _answers(api.rstrip("/") + "/health"):
-        _fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
+        fail(f"deploy needs a Prefect server and PREFECT_API_URL is not set; {hint}")
+    if not answers(api.rstrip("/") + "/health"):
+        fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
     if cron is not None:
         from prefect.client.schemas.schedules import CronSchedule
 
@@ -437,13 +425,11 @@ def deploy(
         except ValueError as e:  # pydantic's ValidationError is a ValueError
             errors = getattr(e, "errors", None)
             why = errors()[0].get("msg", "") if callable(errors) and errors() else str(e)
-            _fail(f"--cron {cron!r} is not a valid cron expression ({why.splitlines()[0]}); "
+            fail(f"--cron {cron!r} is not a valid cron expression ({why.splitlines()[0]}); "
                   "e.g. '0 3 * * *' (minute hour day month weekday)")
     deployment = name or campaign.name
 
     from training.paths import ENV_VAR, state_path
-    from ui.campaign_cli import require_state_dir
-
     require_state_dir()
     os.environ[ENV_VAR] = str(state_path())  # flow runs start in subprocesses: pin this one
     from flows.deploy import FLOW_NAME, scheduled_campaign_flow  # configures Prefect first
@@ -469,20 +455,20 @@ def _run_files(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     import yaml
 
     if not run.is_dir():
-        _fail(f"{run} is not a directory; pass two run directories (written by asyncrl train "
+        fail(f"{run} is not a directory; pass two run directories (written by asyncrl train "
               "or a campaign)")
     out = []
     for fname in ("summary.json", "recipe.yaml"):
         p = run / fname
         if not p.is_file():
-            _fail(f"{run} has no {fname}; pass a finished run directory")
+            fail(f"{run} has no {fname}; pass a finished run directory")
         try:
             data = json.loads(p.read_text()) if fname.endswith(".json") \
                 else yaml.safe_load(p.read_text())
         except (json.JSONDecodeError, yaml.YAMLError) as e:
-            _fail(f"{p} cannot be parsed: {str(e).splitlines()[0]}")
+            fail(f"{p} cannot be parsed: {str(e).splitlines()[0]}")
         if not isinstance(data, dict):
-            _fail(f"{p} does not hold a mapping")
+            fail(f"{p} does not hold a mapping")
         out.append(data)
     return out[0], out[1]
 

@@ -34,3 +34,19 @@ def test_the_lazy_package_exports_what_its_submodules_define():
         assert "no_such_thing" in str(e)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_the_cli_modules_import_no_private_name_of_each_other():
+    """ui.cli, ui.campaign_cli and ui.services_cli share ui.common; none reaches into another's
+    private names (issue 15: the campaign_cli ↔ services_cli cycle)."""
+    import ast
+    from pathlib import Path
+
+    ui = Path(__file__).resolve().parents[2] / "ui"
+    for path in ui.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ui."):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (path.name, node.module, private)
+                if path.name in ("campaign_cli.py", "services_cli.py"):
+                    assert node.module == "ui.common", (path.name, node.module)

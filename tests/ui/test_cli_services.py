@@ -61,7 +61,7 @@ def test_up_mlflow_then_down(cli, home: Path) -> None:
     assert entry["port"] == port and entry["url"] == f"http://127.0.0.1:{port}"
     assert "--workers" in entry["command"] and "127.0.0.1" in entry["command"]
     assert (home / "logs" / "mlflow-server.log").is_file()
-    assert services_cli._answers(f"http://127.0.0.1:{port}/health")
+    assert services_cli.answers(f"http://127.0.0.1:{port}/health")
     assert os.getpgid(pid) == pid  # its own process group: `down` signals only that
 
     again = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
@@ -75,7 +75,7 @@ def test_up_mlflow_then_down(cli, home: Path) -> None:
     assert not services_cli._pid_alive(pid)
     assert not services_cli._group_alive(pid)
     assert not (home / "services.json").exists()
-    assert not services_cli._answers(f"http://127.0.0.1:{port}/health")
+    assert not services_cli.answers(f"http://127.0.0.1:{port}/health")
 
 
 def test_down_with_nothing_recorded(cli, home: Path) -> None:
