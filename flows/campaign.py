@@ -36,13 +36,20 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect import flow, task
 
+from flows.events import (
+    CampaignEvent,
+    CandidateEvent,
+    EventFn,
+    PromotedEvent,
+    StageEvent,
+)
 from registry.campaign import (
     Campaign,
     Stage,
@@ -60,14 +67,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncrl.campaign")
 
-EventFn = Callable[[dict[str, Any]], None]
-
 # Progress listeners of the flow runs in this process (the CLI's live table subscribes here:
 # a flow's parameters must be plain data, so callbacks cannot be passed to it).
 EVENT_LISTENERS: list[EventFn] = []
 
 
-def _to_listeners(event: dict[str, Any]) -> None:
+def _to_listeners(event: CampaignEvent) -> None:
     for fn in list(EVENT_LISTENERS):
         fn(event)
 
@@ -96,7 +101,7 @@ class CampaignOutcome:
     mlflow_run_id: str | None = None
 
 
-def _emit(events: EventFn | None, **event: Any) -> None:
+def _emit(events: EventFn | None, event: CampaignEvent) -> None:
     if events is not None:
         try:
             events(event)
@@ -428,12 +433,12 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                         {"candidate": done["candidate"], "history": history, "passed": True,
                          "promoted": True}]})
                     db.upsert_stage(campaign_id, stage.name, index, "finished")
-                    _emit(events, kind="stage", stage=stage.name, status="promoted (earlier)")
+                    _emit(events, StageEvent(stage.name, "promoted", earlier=True))
                     continue
             # on the chain actually promoted, before anything of the stage trains
             built = stage_recipes(campaign, stage, current, promoted_recipes, start=start)
             db.upsert_stage(campaign_id, stage.name, index, "running")
-            _emit(events, kind="stage", stage=stage.name, status="running")
+            _emit(events, StageEvent(stage.name, "running"))
             runner = _Runner(campaign_id, stage, db, tracker, exp, parent, registry_url,
                              tracking_uri, events)
             stage_refs, reference_runs = dict(references), {}
@@ -472,7 +477,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                                      "verdict.json")
                     tracker.set_tags(parent, {"asyncrl.verdict": verdict[:4000]})
                 outcome.status, outcome.verdict, outcome.diagnosis = "stopped", verdict, diag
-                _emit(events, kind="stage", stage=stage.name, status="failed", verdict=verdict)
+                _emit(events, StageEvent(stage.name, "failed", verdict=verdict))
                 break
             plot_stages[-1]["candidates"][outcomes.index(winner)]["promoted"] = True
             trained = winner["report"].get("samples_trained")
@@ -491,7 +496,7 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
             outcome.promoted[stage.name] = {"candidate": winner["candidate"],
                                             "recipe_hash": winner["recipe_hash"],
                                             "checkpoint": winner["run"]["final_hf"], **promo}
-            _emit(events, kind="promoted", stage=stage.name, candidate=winner["candidate"])
+            _emit(events, PromotedEvent(stage.name, winner["candidate"]))
             references[stage.name] = winner["report"]["summary_for_reference"]
             current = winner["recipe_data"]
             promoted_recipes[stage.name] = current
@@ -554,8 +559,7 @@ class _Runner:
                 candidate=name, recipe=recipe, recipe_hash=rhash, mode=recipe.mode)
             if child:
                 tracker.log_dict(child, recipe.to_dict(), "recipe.json")
-        _emit(self.events, kind="candidate", stage=stage.name, candidate=name,
-              status="running", recipe_hash=rhash)
+        _emit(self.events, CandidateEvent(stage.name, name, "running", recipe_hash=rhash))
         run = run_candidate(campaign_id=self.campaign_id, stage=stage.name, candidate=name,
                             recipe_hash=rhash, recipe_data=recipe.to_dict(),
                             registry_url=self.registry_url, mlflow_run_id=child,
@@ -573,9 +577,9 @@ class _Runner:
         db.upsert_run(self.campaign_id, stage.name, name, rhash, status=status)
         shown = ("reference" if absolute_only
                  else "passed" if report["passed"] else "rejected")
-        _emit(self.events, kind="candidate", stage=stage.name, candidate=name, status=shown,
-              summary=run["summary"], gates=report["gates"],
-              samples_trained=report["samples_trained"])
+        _emit(self.events, CandidateEvent(stage.name, name, shown, recipe_hash=rhash,
+                                          summary=run["summary"], gates=report["gates"],
+                                          samples_trained=report["samples_trained"]))
         return {"candidate": name, "recipe_hash": rhash, "recipe_data": recipe.to_dict(),
                 "run": run, "report": report, "mlflow_run_id": child}
 

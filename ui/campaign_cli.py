@@ -79,6 +79,7 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool) -> Non
     from rich.console import Console
     from rich.live import Live
 
+    from flows.events import CampaignEvent, CandidateEvent, PromotedEvent
     from registry.campaign import CampaignError
     from registry.db import RegistryError
     from training.recipe import RecipeError
@@ -89,14 +90,16 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool) -> Non
 
     with Live(_live_table({}), console=console, refresh_per_second=4,
               transient=False) as live:
-        def on_event(ev: dict[str, Any]) -> None:
-            if ev.get("kind") == "candidate":
-                row = state.setdefault((ev["stage"], ev["candidate"]), {})
-                row.update({k: v for k, v in ev.items() if k in ("status", "summary", "gates")})
-            elif ev.get("kind") == "promoted":
-                state.setdefault((ev["stage"], ev["candidate"]), {})["status"] = "promoted"
-            elif ev.get("kind") == "stage" and str(ev.get("status", "")).startswith("promoted"):
-                state.setdefault((ev["stage"], "(earlier)"), {})["status"] = ev["status"]
+        def on_event(ev: CampaignEvent) -> None:
+            if isinstance(ev, CandidateEvent):
+                row = state.setdefault((ev.stage, ev.candidate), {})
+                row["status"] = ev.status
+                row.update({k: v for k, v in (("summary", ev.summary), ("gates", ev.gates))
+                            if v is not None})
+            elif isinstance(ev, PromotedEvent):
+                state.setdefault((ev.stage, ev.candidate), {})["status"] = "promoted"
+            elif ev.earlier:  # a StageEvent: promoted by an earlier run of this campaign
+                state.setdefault((ev.stage, "(earlier)"), {})["status"] = ev.shown
             live.update(_live_table(state))
 
         cflow.EVENT_LISTENERS.append(on_event)

@@ -53,6 +53,9 @@ STOPPING = {
 }
 
 
+EVENTS: dict[str, list] = {}  # progress events of each flow run of the fixture (the live table's)
+
+
 @pytest.fixture(scope="module")
 def campaign_run(tmp_path_factory, run_campaign):
     from flows.campaign import campaign_flow
@@ -60,9 +63,17 @@ def campaign_run(tmp_path_factory, run_campaign):
     with run_campaign(tmp_path_factory, "e2e", CAMPAIGN) as (home, path):
         stop_path = home / "e2estop.yaml"
         stop_path.write_text(yaml.safe_dump(STOPPING))
+        from flows.campaign import EVENT_LISTENERS
+
+        runs = ("first", "again", "stopped")
+        listeners = {r: EVENTS.setdefault(r, []).append for r in runs}
+        EVENT_LISTENERS.append(listeners["first"])
         first = campaign_flow(str(path), "e2e-1")
+        EVENT_LISTENERS[-1] = listeners["again"]
         again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
+        EVENT_LISTENERS[-1] = listeners["stopped"]
         stopped = campaign_flow(str(stop_path), "e2e-stop", return_state=True)
+        EVENT_LISTENERS.pop()
         yield home, first, again, stopped
 
 
@@ -211,3 +222,35 @@ def test_gates_command_rejudges_with_the_recorded_configuration(campaign_run):
     data = json.loads(res.stdout)
     assert data["judged_with"].startswith("every gate at its default parameters")
     assert len(data["results"]) == len(gate_names())
+
+
+def test_the_flow_reports_its_progress_as_typed_events(campaign_run):
+    """What `campaign launch`'s live table is drawn from, in the order it happened."""
+    from flows.events import CandidateEvent, PromotedEvent, StageEvent
+
+    def brief(ev):
+        if isinstance(ev, StageEvent):
+            return ("stage", ev.stage, ev.shown)
+        if isinstance(ev, CandidateEvent):
+            return ("candidate", ev.stage, ev.candidate, ev.status)
+        assert isinstance(ev, PromotedEvent)
+        return ("promoted", ev.stage, ev.candidate)
+
+    assert [brief(e) for e in EVENTS["first"]] == [
+        ("stage", "baseline", "running"),
+        ("candidate", "baseline", "default", "running"),
+        ("candidate", "baseline", "default", "passed"),
+        ("promoted", "baseline", "default"),
+        ("stage", "async", "running"),
+        ("candidate", "async", "one-step", "running"),
+        ("candidate", "async", "one-step", "rejected"),
+        ("candidate", "async", "sync", "running"),
+        ("candidate", "async", "sync", "passed"),
+        ("promoted", "async", "sync")]
+    judged = [e for e in EVENTS["first"] if isinstance(e, CandidateEvent) and e.status != "running"]
+    assert all(e.gates and e.summary is not None and e.samples_trained for e in judged)
+    # the re-run continues from the promotions: nothing trains
+    assert [brief(e) for e in EVENTS["again"]] == [
+        ("stage", "baseline", "promoted (earlier)"), ("stage", "async", "promoted (earlier)")]
+    last = EVENTS["stopped"][-1]
+    assert isinstance(last, StageEvent) and last.status == "failed" and last.verdict

@@ -1,0 +1,54 @@
+"""Progress events of a campaign (what the CLI's live table shows), as small typed values.
+
+The flow emits them through :data:`flows.campaign.EVENT_LISTENERS` (a flow's parameters must be
+plain data, so callbacks cannot be passed to it); a listener dispatches on the class. A listener
+that raises never breaks the campaign."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PromotedEvent", "StageEvent"]
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """A stage changed state. ``earlier``: promoted by an earlier run of this campaign (a
+    resume continues from it); ``verdict``: why a stage failed."""
+
+    stage: str
+    status: Literal["running", "promoted", "failed"]
+    earlier: bool = False
+    verdict: str | None = None
+
+    @property
+    def shown(self) -> str:
+        return f"{self.status} (earlier)" if self.earlier else self.status
+
+
+@dataclass(frozen=True)
+class CandidateEvent:
+    """A candidate started (``running``) or was judged (``passed``, ``rejected``, or
+    ``reference`` for a re-run reference), with its summary and gate verdicts once judged."""
+
+    stage: str
+    candidate: str
+    status: Literal["running", "passed", "rejected", "reference"]
+    recipe_hash: str | None = None
+    summary: Mapping[str, Any] | None = None
+    gates: Sequence[Mapping[str, Any]] | None = None
+    samples_trained: int | None = None
+
+
+@dataclass(frozen=True)
+class PromotedEvent:
+    """A stage promoted ``candidate``."""
+
+    stage: str
+    candidate: str
+
+
+CampaignEvent = StageEvent | CandidateEvent | PromotedEvent
+EventFn = Callable[[CampaignEvent], None]
