@@ -50,6 +50,7 @@ from flows.events import (
     PromotedEvent,
     StageEvent,
 )
+from flows.results import CandidateOutcome, GateReport, PromotionResult, TrainedRun
 from registry.campaign import (
     Campaign,
     Stage,
@@ -130,7 +131,8 @@ def _cache_key(context: Any, params: Mapping[str, Any]) -> str:
     """campaign id + stage + candidate + recipe hash, within one state directory and registry
     (Prefect's result store may be shared by several state directories)."""
     where = hashlib.sha256(f"{state_dir()}|{params['registry_url']}".encode()).hexdigest()[:12]
-    return f"{where}:{params['campaign_id']}:{params['stage']}:{params['candidate']}:" \
+    # "v2": the result is a TrainedRun (v1 cached a dict)
+    return f"v2:{where}:{params['campaign_id']}:{params['stage']}:{params['candidate']}:" \
            f"{params['recipe_hash']}"
 
 
@@ -138,15 +140,23 @@ def _cache_key(context: Any, params: Mapping[str, Any]) -> str:
       persist_result=True)
 def run_candidate(*, campaign_id: str, stage: str, candidate: str, recipe_hash: str,
                   recipe_data: dict[str, Any], registry_url: str | None,
-                  mlflow_run_id: str | None, tracking_uri: str | None) -> dict[str, Any]:
+                  mlflow_run_id: str | None, tracking_uri: str | None) -> TrainedRun:
     """Train one candidate (resuming its run directory if a previous attempt was killed)."""
-    from flows.tracking import Tracker
     from registry.db import RegistryDB
     from training.recipe import recipe_from_dict
-    from training.runtime.run import run_recipe
 
     recipe = recipe_from_dict(recipe_data)
-    db = RegistryDB(registry_url)
+    with RegistryDB(registry_url) as db:  # closed however the run ends
+        return _run_candidate(db, campaign_id, stage, candidate, recipe_hash, recipe,
+                              mlflow_run_id, tracking_uri)
+
+
+def _run_candidate(db: Any, campaign_id: str, stage: str, candidate: str, recipe_hash: str,
+                   recipe: Recipe, mlflow_run_id: str | None,
+                   tracking_uri: str | None) -> TrainedRun:
+    from flows.tracking import Tracker
+    from training.runtime.run import run_recipe
+
     run_dir = campaign_dir(campaign_id) / stage / candidate
     run_id = db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="running",
                            run_dir=str(run_dir), mlflow_run_id=mlflow_run_id)
@@ -162,8 +172,7 @@ def run_candidate(*, campaign_id: str, stage: str, candidate: str, recipe_hash: 
     if done is not None:  # finished before a crash that lost the task's cached result
         db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="finished",
                       summary=done["summary"])
-        db.close()
-        return {"run_id": run_id, **done}
+        return TrainedRun(run_id=run_id, **done)
     resume = run_dir if (run_dir / "checkpoint" / "runtime.json").is_file() else None
     if resume is None and run_dir.exists():
         import shutil
@@ -174,9 +183,8 @@ def run_candidate(*, campaign_id: str, stage: str, candidate: str, recipe_hash: 
         raise KeyboardInterrupt
     db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="finished",
                   summary=result.summary)
-    db.close()
-    return {"run_id": run_id, "run_dir": str(run_dir), "final_hf": str(result.final_hf),
-            "metrics_path": str(result.metrics_path), "summary": result.summary}
+    return TrainedRun(run_id=run_id, run_dir=str(run_dir), final_hf=str(result.final_hf),
+                      metrics_path=str(result.metrics_path), summary=dict(result.summary))
 
 
 def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
@@ -195,12 +203,12 @@ def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
 
 
 @task(name="judge", retries=2, retry_delay_seconds=2)
-def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
+def judge(*, run: TrainedRun, gates: list[dict[str, Any]],
           references: dict[str, dict[str, float]], context: dict[str, Any],
           registry_url: str | None, mlflow_run_id: str | None,
           tracking_uri: str | None, where: dict[str, str] | None = None,
           reference_runs: dict[str, str] | None = None,
-          samples_per_step: int | None = None) -> dict[str, Any]:
+          samples_per_step: int | None = None) -> GateReport:
     """Evaluate the stage's gates on one run; record them; attach the report and plots. The
     report keeps what the run was judged with (``judged_with``: the gates and their params,
     the reference summaries and, for re-run references, their run directories, the context,
@@ -212,7 +220,7 @@ def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
     from registry.gates import evaluate_gate, summarize
     from training.runtime.sinks import read_metrics
 
-    history = read_metrics(run["metrics_path"])
+    history = read_metrics(run.metrics_path)
     results = []
     for g in gates:
         ref = references.get(g["relative_to"]) if g.get("relative_to") else None
@@ -220,22 +228,23 @@ def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
                                      context=context).to_dict())
     passed = all(r["passed"] for r in results)
     used = {g["relative_to"] for g in gates if g.get("relative_to")}
-    trained = samples_trained(run["summary"], history, samples_per_step)
-    report = {"passed": passed, "gates": results, "run_dir": run["run_dir"],
-              "summary": run["summary"], "samples_trained": trained,
-              "judged_with": {**(where or {}), "gates": gates, "context": context,
-                              "references": {k: v for k, v in references.items()
-                                             if k in used},
-                              "reference_runs": {k: v for k, v in (reference_runs or {}).items()
-                                                 if k in used}}}
-    run_dir = Path(run["run_dir"])
-    atomic_write_text(run_dir / "gate_report.json", json.dumps(report, indent=2, default=str))
-    db = RegistryDB(registry_url)
-    db.record_gate_results(run["run_id"], results)
-    db.close()
+    trained = samples_trained(run.summary, history, samples_per_step)
+    report = GateReport(
+        passed=passed, gates=results, run_dir=run.run_dir, summary=run.summary,
+        samples_trained=trained,
+        judged_with={**(where or {}), "gates": gates, "context": context,
+                     "references": {k: v for k, v in references.items() if k in used},
+                     "reference_runs": {k: v for k, v in (reference_runs or {}).items()
+                                        if k in used}},
+        summary_for_reference=summarize(history))
+    run_dir = Path(run.run_dir)
+    atomic_write_text(run_dir / "gate_report.json",
+                      json.dumps(report.to_file(), indent=2, default=str))
+    with RegistryDB(registry_url) as db:
+        db.record_gate_results(run.run_id, results)
     if mlflow_run_id:
         tracker = Tracker(tracking_uri)
-        tracker.log_dict(mlflow_run_id, report, "gate_report.json")
+        tracker.log_dict(mlflow_run_id, report.to_file(), "gate_report.json")
         try:
             pngs = run_plots(history, run_dir / "plots")
         except Exception as e:  # a plot is a convenience: never fail the judgement over it
@@ -246,7 +255,6 @@ def judge(*, run: dict[str, Any], gates: list[dict[str, Any]],
         tracker.set_tags(mlflow_run_id, {"asyncrl.gates_passed": str(passed).lower(),
                                          "asyncrl.samples_trained": str(trained)})
         tracker.end_run(mlflow_run_id, "FINISHED")
-    report["summary_for_reference"] = summarize(history)
     return report
 
 
@@ -269,7 +277,7 @@ def samples_trained(summary: Mapping[str, Any], history: list[dict[str, Any]],
 @task(name="promote", retries=2, retry_delay_seconds=2)
 def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
             recipe_hash: str, checkpoint: str, reason: str, registry_url: str | None,
-            mlflow_run_id: str | None, tracking_uri: str | None) -> dict[str, Any]:
+            mlflow_run_id: str | None, tracking_uri: str | None) -> PromotionResult:
     """Record the promotion (idempotent) and register the checkpoint in MLflow with aliases."""
     from flows.tracking import Tracker
     from registry.db import RegistryDB
@@ -280,12 +288,11 @@ def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
             model_name(campaign_name), mlflow_run_id, checkpoint,
             aliases=[f"stage-{stage}", "champion"])
     crash_point(f"promote:mlflow:{stage}")
-    db = RegistryDB(registry_url)
-    pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
-                     campaign_id=campaign_id, stage=stage, actor="auto", reason=reason,
-                     mlflow_version=version)
-    db.close()
-    return {"promotion_id": pid, "mlflow_version": version}
+    with RegistryDB(registry_url) as db:
+        pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
+                         campaign_id=campaign_id, stage=stage, actor="auto", reason=reason,
+                         mlflow_version=version)
+    return PromotionResult(promotion_id=pid, mlflow_version=version)
 
 
 def model_name(campaign_name: str) -> str:
@@ -296,15 +303,13 @@ def model_name(campaign_name: str) -> str:
 # --- the flow -----------------------------------------------------------------------------------
 
 
-def _choose(stage: Stage, outcomes: list[dict[str, Any]]) -> dict[str, Any] | None:
-    passing = [o for o in outcomes if o["report"]["passed"]]
+def _choose(stage: Stage, outcomes: list[CandidateOutcome]) -> CandidateOutcome | None:
+    passing = [o for o in outcomes if o.report.passed]
     if not passing:
         return None
     if stage.promotion == "best_eval":
-        def ev(o: dict[str, Any]) -> float:
-            v = o["run"]["summary"].get("eval/reward_mean")
-            return float(v) if v is not None else float("-inf")
-        return max(passing, key=ev)
+        return max(passing, key=lambda o: o.eval_reward if o.eval_reward is not None
+                   else float("-inf"))
     return passing[0]  # listed order
 
 
@@ -446,28 +451,26 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                 o = runner.train_and_judge(reference_name(ref), ref_recipe,
                                            absolute_only=True, references={},
                                            reference_runs={})
-                stage_refs[ref] = o["report"]["summary_for_reference"]
-                reference_runs[ref] = o["run"]["run_dir"]
+                stage_refs[ref] = o.report.summary_for_reference
+                reference_runs[ref] = o.run.run_dir
             outcomes = []
             for cand, recipe in built.candidates:
                 o = runner.train_and_judge(cand.name, recipe, references=stage_refs,
                                            reference_runs=reference_runs)
                 outcomes.append(o)
-                if stage.promotion == "first_passing" and o["report"]["passed"]:
+                if stage.promotion == "first_passing" and o.report.passed:
                     break
             plot_stages.append({"stage": stage.name, "candidates": [
-                {"candidate": o["candidate"], "history": read_metrics(o["run"]["metrics_path"]),
-                 "passed": o["report"]["passed"], "promoted": False} for o in outcomes]})
+                {"candidate": o.candidate, "history": read_metrics(o.run.metrics_path),
+                 "passed": o.report.passed, "promoted": False} for o in outcomes]})
             winner = _choose(stage, outcomes)
             crash_point(f"judged:{stage.name}")
             if winner is None:
                 worst = outcomes[-1]
                 # the last candidate's own recipe tailors the prescribed override to it
-                worst_recipe = built.candidates[len(outcomes) - 1][1]
-                diag = diagnosis_for(read_metrics(worst["run"]["metrics_path"]), worst_recipe)
-                failed = "; ".join(f"{o['candidate']}: " + ", ".join(
-                    g["name"] for g in o["report"]["gates"] if not g["passed"])
-                    for o in outcomes)
+                diag = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
+                failed = "; ".join(f"{o.candidate}: " + ", ".join(o.report.failed_gates)
+                                   for o in outcomes)
                 verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
                            f"diagnosis: {diag.get('summary', '')}")
                 db.upsert_stage(campaign_id, stage.name, index, "failed")
@@ -480,27 +483,28 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
                 _emit(events, StageEvent(stage.name, "failed", verdict=verdict))
                 break
             plot_stages[-1]["candidates"][outcomes.index(winner)]["promoted"] = True
-            trained = winner["report"].get("samples_trained")
-            reason = (f"{stage.promotion}: passed {len(winner['report']['gates'])} gates"
+            trained = winner.report.samples_trained
+            reason = (f"{stage.promotion}: passed {len(winner.report.gates)} gates"
                       + (f" after {trained} samples" if trained is not None else "")
-                      + (f", eval {winner['run']['summary'].get('eval/reward_mean'):.3f}"
-                         if winner['run']['summary'].get('eval/reward_mean') is not None else ""))
+                      + (f", eval {winner.eval_reward:.3f}"
+                         if winner.eval_reward is not None else ""))
             promo = promote(campaign_id=campaign_id, campaign_name=campaign.name,
-                            stage=stage.name, candidate=winner["candidate"],
-                            recipe_hash=winner["recipe_hash"],
-                            checkpoint=winner["run"]["final_hf"], reason=reason,
-                            registry_url=registry_url, mlflow_run_id=winner["mlflow_run_id"],
-                            tracking_uri=tracking_uri)
+                            stage=stage.name, candidate=winner.candidate,
+                            recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,
+                            reason=reason, registry_url=registry_url,
+                            mlflow_run_id=winner.mlflow_run_id, tracking_uri=tracking_uri)
             crash_point(f"promoted:{stage.name}")
             db.upsert_stage(campaign_id, stage.name, index, "finished")
-            outcome.promoted[stage.name] = {"candidate": winner["candidate"],
-                                            "recipe_hash": winner["recipe_hash"],
-                                            "checkpoint": winner["run"]["final_hf"], **promo}
-            _emit(events, PromotedEvent(stage.name, winner["candidate"]))
-            references[stage.name] = winner["report"]["summary_for_reference"]
-            current = winner["recipe_data"]
+            outcome.promoted[stage.name] = {"candidate": winner.candidate,
+                                            "recipe_hash": winner.recipe_hash,
+                                            "checkpoint": winner.run.final_hf,
+                                            "promotion_id": promo.promotion_id,
+                                            "mlflow_version": promo.mlflow_version}
+            _emit(events, PromotedEvent(stage.name, winner.candidate))
+            references[stage.name] = winner.report.summary_for_reference
+            current = winner.recipe.to_dict()
             promoted_recipes[stage.name] = current
-            start = StartingPoint(winner["run"]["final_hf"], recipe_from_dict(current))
+            start = StartingPoint(winner.run.final_hf, winner.recipe)
         else:
             outcome.status = "finished"
             outcome.verdict = (f"all {len(campaign.stages)} stages promoted; champion: "
@@ -545,7 +549,7 @@ class _Runner:
 
     def train_and_judge(self, name: str, recipe: Recipe, *,
                         references: dict[str, dict[str, float]], reference_runs: dict[str, str],
-                        absolute_only: bool = False) -> dict[str, Any]:
+                        absolute_only: bool = False) -> CandidateOutcome:
         """Train ``recipe`` as candidate ``name`` of the stage (a Prefect task, an MLflow child
         run, a registry row) and judge it on the stage's gates — only those without
         ``relative_to`` when ``absolute_only`` (a reference re-run is the reference)."""
@@ -573,15 +577,15 @@ class _Runner:
                               "candidate": name},
                        reference_runs=reference_runs, samples_per_step=recipe.samples_per_step)
         # a reference re-run is never promoted: its verdict is information, not a rejection
-        status = "finished" if absolute_only or report["passed"] else "rejected"
+        status = "finished" if absolute_only or report.passed else "rejected"
         db.upsert_run(self.campaign_id, stage.name, name, rhash, status=status)
         shown = ("reference" if absolute_only
-                 else "passed" if report["passed"] else "rejected")
+                 else "passed" if report.passed else "rejected")
         _emit(self.events, CandidateEvent(stage.name, name, shown, recipe_hash=rhash,
-                                          summary=run["summary"], gates=report["gates"],
-                                          samples_trained=report["samples_trained"]))
-        return {"candidate": name, "recipe_hash": rhash, "recipe_data": recipe.to_dict(),
-                "run": run, "report": report, "mlflow_run_id": child}
+                                          summary=run.summary, gates=report.gates,
+                                          samples_trained=report.samples_trained))
+        return CandidateOutcome(candidate=name, recipe=recipe, recipe_hash=rhash, run=run,
+                                report=report, mlflow_run_id=child)
 
 
 def _start_ray() -> None:

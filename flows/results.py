@@ -1,0 +1,78 @@
+"""What the campaign flow's Prefect tasks return, typed: a trained candidate run, its gate report,
+a promotion, and the outcome of training and judging one candidate. Plain dataclasses (Prefect
+persists ``run_candidate``'s result with pickle); ``GateReport.to_file`` is the
+``gate_report.json`` layout that ``asyncrl gates RUN`` reads back."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training.recipe import Recipe
+
+__all__ = ["CandidateOutcome", "GateReport", "PromotionResult", "TrainedRun"]
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished training run of a candidate (``run_candidate``): its registry row id, run
+    directory, final HF checkpoint, metrics JSONL and the trainer's summary."""
+
+    run_id: int
+    run_dir: str
+    final_hf: str
+    metrics_path: str
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """The stage's gates on one run (``judge``): whether all passed, each gate's result (the
+    registry's gate-result layout), the samples the run trained, what it was judged with
+    (gates, params, references, context, where) and the run's own summary as a reference for
+    later stages (``summary_for_reference``, not written to the file)."""
+
+    passed: bool
+    gates: list[dict[str, Any]]
+    run_dir: str
+    summary: dict[str, Any]
+    samples_trained: int | None
+    judged_with: dict[str, Any]
+    summary_for_reference: dict[str, float]
+
+    def to_file(self) -> dict[str, Any]:
+        """The ``gate_report.json`` layout (and MLflow's copy)."""
+        out = asdict(self)
+        out.pop("summary_for_reference")
+        return out
+
+    @property
+    def failed_gates(self) -> list[str]:
+        return [g["name"] for g in self.gates if not g["passed"]]
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    """A recorded promotion (``promote``): the registry's promotion id and the MLflow model
+    version (None without tracking)."""
+
+    promotion_id: int
+    mlflow_version: str | None
+
+
+@dataclass(frozen=True)
+class CandidateOutcome:
+    """One candidate trained and judged: its recipe (and hash), run, gate report and MLflow run."""
+
+    candidate: str
+    recipe: Recipe
+    recipe_hash: str
+    run: TrainedRun
+    report: GateReport
+    mlflow_run_id: str | None
+
+    @property
+    def eval_reward(self) -> float | None:
+        v = self.run.summary.get("eval/reward_mean")
+        return float(v) if v is not None else None
