@@ -22,6 +22,7 @@ from training.runtime.pipeline import GroupBuffer
 from training.runtime.types import Group
 
 if TYPE_CHECKING:  # the buffer actor's process never needs torch
+    from training.recipe import Recipe
     from training.runtime.learner import StepResult
 
 __all__ = ["SampleBuffer", "TrainerWorker"]
@@ -98,24 +99,23 @@ class TrainerWorker:
     :func:`training.engines.factory.make_train_engine`) driven by the Learner.
 
     Args:
-        recipe: ``Recipe.to_dict()``.
+        recipe: the validated recipe (a frozen pydantic model; Ray pickles it as it is).
         init_dir: the initial HF checkpoint (also the KL reference).
         resume_dir: a trainer checkpoint to resume from exactly (None: warm start from
             ``init_dir``).
         total_optimizer_steps: for the learning-rate schedule.
     """
 
-    def __init__(self, recipe: dict[str, Any], init_dir: str, resume_dir: str | None,
+    def __init__(self, recipe: Recipe, init_dir: str, resume_dir: str | None,
                  total_optimizer_steps: int) -> None:
         import torch
 
         from training.engines.factory import make_train_engine
         from training.engines.train import OptimConfig
-        from training.recipe import Recipe
         from training.runtime.learner import Learner
 
         torch.set_num_threads(1)
-        self.recipe = Recipe.model_validate(recipe)
+        self.recipe = recipe
         o = self.recipe.optim
         optim = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
                             lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps,

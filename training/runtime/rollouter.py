@@ -147,7 +147,7 @@ class Rollouter:
     """Generates groups into the sample buffer (see the module docstring).
 
     Args:
-        recipe: the recipe as plain data (``Recipe.to_dict()``; validated again here).
+        recipe: the validated recipe (a frozen pydantic model; Ray pickles it as it is).
         urls: rollout engine base URLs.
         buffer: the sample buffer actor handle (``put`` / ``submitted`` remote methods) or a
             local object with async-compatible ``put`` / ``submitted``.
@@ -159,12 +159,12 @@ class Rollouter:
             ``urls`` are the engines themselves.
     """
 
-    def __init__(self, recipe: dict[str, Any], urls: list[str], buffer: Any,
+    def __init__(self, recipe: Recipe, urls: list[str], buffer: Any,
                  start: dict[str, Any] | None = None, version: int = 0,
                  control_urls: list[str] | None = None) -> None:
         import torch
         torch.set_num_threads(1)
-        self.recipe = Recipe.model_validate(recipe)
+        self.recipe = recipe
         self.task = build_task(self.recipe)
         self.tokenizer = CharTokenizer()
         self.urls = list(urls)

@@ -400,11 +400,10 @@ class Runtime:
 
         r = self.recipe
         drain = r.drain
-        data = r.to_dict()
         self.buffer = ray.remote(num_cpus=0)(SampleBuffer).remote(drain, r.data.window)
         total_opt = self.total_steps * r.async_.require_batches * r.optim.epochs
         self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(
-            data, str(self.init_dir), trainer_resume, total_opt)
+            r, str(self.init_dir), trainer_resume, total_opt)
         start = None
         if resume_state is not None:
             start = resume_state["rollouter"]
@@ -416,7 +415,7 @@ class Runtime:
         control = (list(self.fleet.engine_urls)
                    if self.fleet is not None and self.fleet.router_url else None)
         self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
-            data, urls, self.buffer, start, version0, control_urls=control)
+            r, urls, self.buffer, start, version0, control_urls=control)
         self._actors = [self.rollouter, self.trainer, self.buffer]
         try:
             ray.get([self.trainer.ping.remote(), self.rollouter.start.remote()])

@@ -114,7 +114,7 @@ def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpts, tmp_path
 
         async def scenario():
             buffer = SampleBuffer("fifo", 64)
-            rollouter = Rollouter(recipe.to_dict(), [server.url], buffer, None, version=v0)
+            rollouter = Rollouter(recipe, [server.url], buffer, None, version=v0)
             await rollouter.start()
             try:
                 for i in range(1, 4):  # three syncs while responses are being generated
