@@ -187,7 +187,7 @@ def test_up_serves_the_postgres_store(home: Path, postgres_db: str, tmp_path: Pa
     again = runner.invoke(app, ["up", "--no-prefect", "--mlflow-port", str(port),
                                 "--mlflow-backend-store-uri", f"sqlite:///{tmp_path}/x.db"])
     assert again.exit_code == 1 and "already running on store" in again.stderr
-    assert services_cli._answers(f"{base}/health")
+    assert services_cli.answers(f"{base}/health")
     try:
         # what `up` tells users to do: point runs at the server
         monkeypatch.setenv("MLFLOW_TRACKING_URI", base)
@@ -209,7 +209,7 @@ def test_up_serves_the_postgres_store(home: Path, postgres_db: str, tmp_path: Pa
         down = runner.invoke(app, ["down"])
     assert down.exit_code == 0, down.output
     assert "mlflow: stopped" in down.stdout
-    assert not services_cli._answers(f"{base}/health")
+    assert not services_cli.answers(f"{base}/health")
 
     # everything the server took is in the PostgreSQL database (read without a server)
     client = _client(pg)
