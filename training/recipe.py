@@ -1105,7 +1105,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
         last, parent = parts[-1], ".".join(parts[:-1])
         union = unions.get(parent)
         if (union is not None and last == union[0] and node.get(last) is not None
-                and value != node[last] and value in union[1]):
+                and isinstance(value, str) and value != node[last] and value in union[1]):
             # a dotted tag switch: keep what the new variant also accepts
             accepted = union[1][value]
             for k in [k for k in node if k != last and k not in accepted]:

@@ -208,6 +208,8 @@ def test_a_dotted_tag_switch_drops_what_the_new_variant_refuses(tmp_path):
     assert (r.mode, r.async_.require_batches) == ("one_step", 2)
     r = load_recipe(path, {"async.mode": "fully_async"})  # same tag: nothing dropped
     assert r.async_.staleness_threshold == 0.3
+    with pytest.raises(RecipeError, match="async"):  # a mapping as the tag: one line, no crash
+        load_recipe(path, {"async.mode": {"x": 1}})
 
 
 def test_override_switches_the_correction_variant():
