@@ -330,6 +330,18 @@ class EnginesConfig(_Strict):
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description=(
         "Settings of the sglang rollout backend (used when rollout: sglang)."))
 
+    @property
+    def weight_transport(self) -> Literal["disk", "direct", "nccl"]:
+        """How the parameter synchroniser moves new weights to the rollout engines: ``disk``
+        (an HF export the rollouter's client loads on each engine: embedded, SGLang behind
+        asyncrl's router), ``direct`` (the export loaded by each SGLang engine's actor, never
+        through sglang-router) or ``nccl`` (a broadcast from the trainer)."""
+        if self.rollout != "sglang":
+            return "disk"
+        if self.sglang.weight_sync == "nccl":
+            return "nccl"
+        return "direct" if self.sglang.router == "sglang-router" else "disk"
+
 
 _MAX_DIFFICULTY = 1_000_000
 

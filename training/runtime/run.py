@@ -1,6 +1,6 @@
 """One recipe in, one finished run out: the driver of the asynchronous runtime (seed 002 on Ray).
 
-:func:`run_recipe` starts (or joins) Ray, starts the embedded rollout servers, creates the
+:func:`run_recipe` starts (or joins) Ray, starts the rollout backend (:mod:`.backends`), creates the
 :class:`~training.runtime.rollouter.Rollouter`, :class:`~training.runtime.actors.SampleBuffer` and
 :class:`~training.runtime.actors.TrainerWorker` actors, and drives the trainer loop:
 
@@ -8,8 +8,8 @@
    ``max_off_policy_steps`` behind (counted), measure staleness;
 2. train (old log-probs, corrections, advantages, the update — :mod:`training.runtime.learner`);
    a batch with NaN/inf log-probs or rewards is rejected (counted, logged, never trained on);
-3. every ``trigger_parameter_sync_step`` steps, the parameter synchroniser exports the trainer's
-   weights and loads them on the rollout engines (partial rollout: pause, load, resume);
+3. every ``trigger_parameter_sync_step`` steps, the parameter synchroniser (:mod:`.weight_sync`)
+   moves the trainer's weights onto the rollout engines (partial rollout: pause, load, resume);
 4. evaluate every ``eval.every`` steps; log every metric to the sinks; checkpoint.
 
 Modes differ only in the staleness controller and the drain: ``sync`` (quota = one step of samples
@@ -47,9 +47,11 @@ from training.engines.hf_io import CheckpointError, move_into_place, read_meta
 from training.fileio import atomic_write_text, recover_dir
 from training.ownership import OwnedError, RunDirLock
 from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_hash
+from training.runtime.backends import BackendError, RolloutBackend, rollout_backend
 from training.runtime.pipeline import staleness_metrics, step_of_version
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
 from training.runtime.types import Group
+from training.runtime.weight_sync import ParameterSync, SyncError, parameter_sync
 
 __all__ = ["RunError", "RunResult", "Runtime", "initial_checkpoint", "run_recipe", "split_stale"]
 
@@ -195,12 +197,10 @@ class Runtime:
         self.progress = progress
         self.checkpoint_every = checkpoint_every
         self.stall_timeout_s = stall_timeout_s
-        self.servers: list[Any] = []  # embedded rollout servers
-        self.fleet: Any = None  # SGLang engines (training.engines.sglang.fleet.SGLangFleet)
-        # (fleet launches, engine URLs) when the NCCL weight group was made
-        self._nccl_group: tuple[int, tuple[str, ...]] | None = None
+        self.backend: RolloutBackend = rollout_backend(recipe, out)
         # torch.distributed backend of weight_sync: nccl (gloo: CPU tests with stand-in engines)
         self.weight_sync_backend = "nccl"
+        self.weights: ParameterSync | None = None  # made with the actors
         self._started_ray = False
         self._actors: list[Any] = []
         # run state (persisted in runtime.json)
@@ -216,8 +216,7 @@ class Runtime:
         self.init_dir: Path | None = None
         self._sigint = False
         self.last_eval: dict[str, float] = {}
-        self._last_synced: int | None = None
-        self.synced_versions: list[int] = []
+        self._synced_before: list[int] = []  # a resumed run's synced versions
 
     # --- setup --------------------------------------------------------------------------------
     def _ray(self) -> Any:
@@ -233,51 +232,12 @@ class Runtime:
 
         return ray
 
-    def _start_servers(self, checkpoint: Path) -> list[str]:
-        """Start the rollout backend the recipe chose; returns the URLs the rollouter uses."""
-        if self.recipe.engines.rollout == "sglang":
-            return self._start_sglang(checkpoint)
-        from training.engines.embedded.launch import EmbeddedServer, start_all
-
-        e = self.recipe.engines
-        servers = [EmbeddedServer(checkpoint, dtype=e.rollout_dtype, logit_noise=e.logit_noise,
-                                  seed=self.recipe.seed + i, max_batch=e.max_batch, threads=1)
-                   for i in range(e.num_rollout_engines)]
+    def _start_engines(self, ray: Any, checkpoint: Path) -> list[str]:
+        """Start the recipe's rollout backend; returns the URLs the rollouter uses."""
         try:
-            start_all(servers, timeout=120)
-        except Exception as err:
-            tail = servers[0].log_tail(300).strip().splitlines()[-1:] if servers else []
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RunError(f"rollout engines did not start ({first}); last log line: "
-                           f"{tail[0] if tail else '-'}; logs in {servers[0].log_path.parent}"
-                           ) from None
-        self.servers = servers
-        return [s.url for s in servers]
-
-    def _start_sglang(self, checkpoint: Path) -> list[str]:
-        """SGLang engines on Ray actors (GPUs by placement group), optionally behind
-        sglang-router (:class:`~training.engines.sglang.fleet.SGLangFleet`)."""
-        from training.engines.sglang.fleet import FleetError, SGLangFleet
-        from training.paths import state_dir
-
-        ray = self._ray()
-        version = int(read_meta(checkpoint).get("weight_version", 0))
-        self.fleet = SGLangFleet(self.recipe, checkpoint, version,
-                                 log_dir=state_dir() / "logs" / self.run_dir.name)
-        try:
-            return self.fleet.start(ray)
-        except FleetError as err:
-            raise RunError(str(err).splitlines()[0]) from None
-
-    def _engines_alive(self, ray: Any) -> bool:
-        if self.fleet is not None:
-            return self.fleet.alive(ray)
-        return any(s.alive() for s in self.servers)
-
-    def _engine_logs(self) -> str:
-        if self.fleet is not None:
-            return str(self.fleet.log_dir)
-        return str(self.servers[0].log_path.parent)
+            return self.backend.start(ray, checkpoint)
+        except BackendError as e:
+            raise RunError(str(e)) from None
 
     def _load_resume_state(self) -> dict[str, Any]:
         ckpt = self.run_dir / CHECKPOINT_DIR
@@ -325,12 +285,9 @@ class Runtime:
         try:
             ray = self._ray()
             restore = self._catch_sigint()  # after ray.init, which may install its own handler
-            urls = self._start_servers(engine_dir)
+            urls = self._start_engines(ray, engine_dir)
             version0 = int(read_meta(engine_dir).get("weight_version", 0))
             self._create_actors(ray, urls, trainer_resume, resume_state, version0)
-            if version0 not in self.synced_versions:
-                self.synced_versions.append(version0)
-            self._last_synced = version0
             if not self.step_start_versions:
                 self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
             if resume_state is None and self.recipe.eval.n > 0:
@@ -410,13 +367,12 @@ class Runtime:
             groups = _read_buffer_file(self.run_dir / CHECKPOINT_DIR / BUFFER_FILE)
             ids = [g["group_id"] for g in groups] + list(start["regenerate"])
             ray.get(self.buffer.restore.remote(groups, ids))
-        # behind sglang-router the rollouter generates through it, and pauses, continues and
-        # loads weights on the engines directly
-        control = (list(self.fleet.engine_urls)
-                   if self.fleet is not None and self.fleet.router_url else None)
         self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
-            r, urls, self.buffer, start, version0, control_urls=control)
+            r, urls, self.buffer, start, version0, control_urls=self.backend.control_urls)
         self._actors = [self.rollouter, self.trainer, self.buffer]
+        self.weights = parameter_sync(r, self.run_dir, self.trainer, self.rollouter,
+                                      self.backend, dist_backend=self.weight_sync_backend)
+        self.weights.started_at(version0, self._synced_before)
         try:
             ray.get([self.trainer.ping.remote(), self.rollouter.start.remote()])
         except ray.exceptions.RayTaskError as e:
@@ -440,14 +396,11 @@ class Runtime:
                 err = ray.get(self.rollouter.error.remote())
                 if err:
                     raise RunError(err)
-                if not self._engines_alive(ray):
-                    if self.fleet is not None:
-                        raise RunError(f"every rollout engine died: {self.fleet.failure(ray)}")
-                    raise RunError("every rollout engine died; see the engine logs in "
-                                   f"{self._engine_logs()}")
+                if not self.backend.alive(ray):
+                    raise RunError(f"every rollout engine died: {self.backend.failure(ray)}")
                 if time.monotonic() - last_progress > self.stall_timeout_s:
                     raise RunError(f"no samples arrived for {self.stall_timeout_s:.0f} s; check "
-                                   f"the engine logs in {self._engine_logs()}")
+                                   f"the engine logs in {self.backend.log_dir()}")
                 continue
             last_progress = time.monotonic()
             self.consumed_samples += sum(g.n for g in got)
@@ -512,8 +465,8 @@ class Runtime:
         k = self.recipe.async_.sync_interval
         if (self.step + 1) % k == 0 or self.step + 1 == self.total_steps:
             metrics.update(self._sync(ray, version, self.step + 1))
-            metrics["async/retained_versions"] = float(ray.get(
-                self.trainer.keep_snapshots.remote(self._referenced_versions(), version)))
+            metrics["async/retained_versions"] = float(ray.get(self.trainer.keep_snapshots.remote(
+                self.weights.referenced_versions(self.step_start_versions), version)))
         t3 = time.monotonic()
         every = self.recipe.eval.every
         last = self.step + 1 == self.total_steps
@@ -530,149 +483,14 @@ class Runtime:
         return metrics
 
     def _sync(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
-        """The parameter synchroniser: new weights onto the engines, by the recipe's path —
-        an HF export loaded from disk through the rollouter's client (embedded; SGLang with
-        ``weight_sync: disk``), loaded by each engine directly (behind sglang-router), or an
-        NCCL broadcast from the trainer (``weight_sync: nccl``)."""
-        if self.fleet is not None:
-            s = self.recipe.engines.sglang
-            if s.weight_sync == "nccl":
-                return self._sync_nccl(ray, version, next_step)
-            if s.router == "sglang-router":
-                return self._sync_direct(ray, version, next_step)
-        out = self._sync_disk(ray, version, next_step)
-        if self.fleet is not None:  # a restarted engine comes back with these weights
-            self.fleet.set_weights(ray, str(self.run_dir / "weights" / f"v{version}"), version)
-        return out
-
-    def _export(self, ray: Any, version: int) -> Path:
-        target = self.run_dir / "weights" / f"v{version}"
-        if version != self._last_synced or not target.is_dir():
-            # always a fresh export: a directory left by a run that was interrupted after its
-            # last checkpoint holds other weights under the same version number
-            ray.get(self.trainer.export.remote(str(target)))
-        return target
-
-    def _prune_exports(self, version: int, keep: Path) -> None:
-        for old in (self.run_dir / "weights").glob("v*"):  # keep the last two exports
-            with contextlib.suppress(ValueError):
-                if int(old.name[1:]) < version - 1 and old != keep:
-                    shutil.rmtree(old, ignore_errors=True)
-
-    def _sync_direct(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
-        """Behind sglang-router: drain generation, load the export on every engine through its
-        actor (never through the router), resume."""
-        t0 = time.monotonic()
-        target = self._export(ray, version)
-        self._last_synced = version
-        self.synced_versions.append(version)
-        t1 = time.monotonic()
-        wait_s = float(ray.get(self.rollouter.begin_weight_sync.remote()))
-        t2 = time.monotonic()
-        results = self.fleet.push_weights(ray, str(target), version)
-        if not any(r["success"] for r in results):
-            raise RunError(f"weight sync to version {version} failed on every engine: "
-                           f"{results[0]['message']}")
-        load_s = time.monotonic() - t2
-        out = dict(ray.get(self.rollouter.end_weight_sync.remote(
-            version, next_step, self.consumed_samples, wait_s, load_s)))
-        self.counters["sync_time_s"] += (t1 - t0) + load_s
-        self.counters["sync_wait_s"] += wait_s
-        self._prune_exports(version, target)
-        out["async/weight_export_s"] = t1 - t0
-        return out
-
-    def _sync_nccl(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
-        """Broadcast from the trainer: the trainer actor joins one process group with every ready
-        engine (again, under a new name, after an engine restarted: the group lost a member),
-        then per sync the rollouter stops generation, the trainer broadcasts, generation
-        resumes."""
-        self._nccl_init(ray)
-        self._last_synced = version
-        self.synced_versions.append(version)
-        wait_s = float(ray.get(self.rollouter.begin_weight_sync.remote()))
-        t0 = time.monotonic()
+        """New weights onto the engines by the recipe's transport (:mod:`.weight_sync`)."""
         try:
-            report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
-        except ray.exceptions.RayTaskError:
-            # an engine may have died since the group was made, before its actor noticed: give
-            # the fleet a moment to see it (a relaunch changes the launch count), remake the
-            # group with whoever is ready, and try once more
-            launches = self.fleet.launches(ray)
-            settle = time.monotonic() + 10.0
-            while self.fleet.launches(ray) == launches and time.monotonic() < settle and all(
-                    st["state"] == "ready" for st in self.fleet.statuses(ray)):
-                time.sleep(0.5)
-            self._nccl_group = None
-            self._nccl_init(ray)
-            try:
-                report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
-            except ray.exceptions.RayTaskError as e:
-                raise RunError(f"NCCL weight sync to version {version} failed: "
-                               f"{_first_line(e)}") from None
-        load_s = time.monotonic() - t0
-        out = dict(ray.get(self.rollouter.end_weight_sync.remote(
-            version, next_step, self.consumed_samples, wait_s, load_s)))
-        self.counters["sync_time_s"] += load_s
-        self.counters["sync_wait_s"] += wait_s
-        out["async/weight_sync_bytes"] = float(report.get("bytes", 0) or 0)
-        out["async/weight_broadcast_s"] = float(report.get("broadcast_seconds", 0.0) or 0.0)
-        return out
-
-    def _nccl_init(self, ray: Any) -> None:
-        """(Re)make the weight group when the ready engines changed since it was made."""
-        deadline = time.monotonic() + self.recipe.engines.sglang.startup_timeout_s
-        while True:  # an engine being relaunched joins once it is ready again
-            launches = self.fleet.launches(ray)
-            states = self.fleet.statuses(ray)
-            urls = tuple(st["url"] for st in states if st["state"] == "ready")
-            coming = any(st["state"] in ("new", "starting", "restarting") for st in states)
-            if urls or not coming or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        if (launches, urls) == self._nccl_group:
-            return
-        if not urls:
-            raise RunError("NCCL weight sync: no SGLang engine is ready "
-                           f"({self.fleet.failure(ray)})")
-        try:
-            # the trainer hosts the rendezvous (rank 0) at its node's address, on a free port
-            ray.get(self.trainer.init_weight_sync_nccl.remote(
-                list(urls), self.recipe.engines.sglang.tp_size, f"asyncrl-weights-{launches}",
-                self.fleet.host, self.weight_sync_backend))
-        except ray.exceptions.RayTaskError as e:
-            raise RunError(f"NCCL weight group with the engines failed: {_first_line(e)}"
-                           ) from None
-        self._nccl_group = (launches, urls)
-
-    def _sync_disk(self, ray: Any, version: int, next_step: int) -> dict[str, float]:
-        """Export the trainer's weights, load them on the engines (through the rollouter)."""
-        t0 = time.monotonic()
-        target = self._export(ray, version)
-        self._last_synced = version
-        self.synced_versions.append(version)
-        t1 = time.monotonic()
-        try:
-            out = ray.get(self.rollouter.sync_weights.remote(str(target), version, next_step,
-                                                             self.consumed_samples))
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None) or e
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
-            raise RunError(f"weight sync to version {version} failed: {first}") from None
-        self.counters["sync_time_s"] += (t1 - t0) + out["async/weight_sync_s"]
-        self.counters["sync_wait_s"] += out["async/sync_wait_s"]
-        self._prune_exports(version, target)
-        out["async/weight_export_s"] = t1 - t0
-        return out
-
-    def _referenced_versions(self) -> list[int]:
-        """Synced versions that buffered or in-flight samples may still carry (with
-        ``max_off_policy_steps`` older ones can only be dropped, so they need no snapshot)."""
-        limit = self.recipe.async_.max_off_policy_steps
-        if limit is None:
-            return list(self.synced_versions)
-        oldest = self.step_start_versions[max(0, len(self.step_start_versions) - 2 - limit)]
-        return [v for v in self.synced_versions if v >= oldest]
+            report = self.weights.sync(ray, version, next_step, self.consumed_samples)
+        except SyncError as e:
+            raise RunError(str(e)) from None
+        self.counters["sync_time_s"] += report.time_s
+        self.counters["sync_wait_s"] += report.wait_s
+        return report.metrics
 
     def _evaluate(self, ray: Any) -> dict[str, float]:
         t0 = time.monotonic()
@@ -701,22 +519,19 @@ class Runtime:
             for g in groups:
                 f.write(json.dumps(g) + "\n")
         state = {"step": self.step, "step_start_versions": self.step_start_versions,
-                 "synced_versions": self.synced_versions,
+                 "synced_versions": self.weights.synced_versions,
                  "consumed_samples": self.consumed_samples, "counters": self.counters,
                  "rollouter": rstate, "init_dir": str(self.init_dir),
                  "recipe_identity": _identity(self.recipe), "recipe_hash": recipe_hash(
                      self.recipe), "total_steps": self.total_steps}
         (tmp / RUNTIME_STATE).write_text(json.dumps(state))
         move_into_place(tmp, final)
-        if self.fleet is not None and self.recipe.engines.sglang.weight_sync == "nccl":
-            # NCCL syncs leave nothing on disk: a restarted engine comes back with the last
-            # checkpoint's weights (and reports their version, so its samples count as stale)
-            self.fleet.set_weights(ray, str(final / "hf"), self.step_start_versions[-1])
+        self.weights.checkpointed(ray, final / "hf", self.step_start_versions[-1])
 
     def _restore_counters(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.step_start_versions = [int(v) for v in state["step_start_versions"]]
-        self.synced_versions = [int(v) for v in state.get("synced_versions", [])]
+        self._synced_before = [int(v) for v in state.get("synced_versions", [])]
         self.consumed_samples = int(state["consumed_samples"])
         self.counters.update({k: float(v) for k, v in state["counters"].items()})
 
@@ -731,23 +546,11 @@ class Runtime:
                 for a in self._actors:
                     with contextlib.suppress(Exception):
                         ray.kill(a)
-                if self.fleet is not None:
-                    self.fleet.stop(ray)
-                    self.fleet = None
+                self.backend.stop(ray)  # SGLang engines live on Ray actors: before Ray goes
                 if self._started_ray:
                     ray.shutdown()
         finally:
-            for s in self.servers:
-                with contextlib.suppress(Exception):
-                    s.stop()
-            self.servers = []
-
-
-def _first_line(err: Exception) -> str:
-    """The first line of a Ray task error's cause."""
-    cause = getattr(err, "cause", None) or err
-    text = str(cause).strip()
-    return text.splitlines()[0] if text else repr(cause)
+            self.backend.stop(None)  # embedded servers are this process's children
 
 
 def _identity(recipe: Recipe) -> str:

@@ -152,8 +152,8 @@ def test_engine_killed_mid_run_loses_nothing(ray_session, tmp_path):
 
     def kill_after_two(step, total, metrics):
         if step == 2:
-            killed.append(rt.servers[0].pid)
-            rt.servers[0].kill()
+            killed.append(rt.backend.servers[0].pid)
+            rt.backend.servers[0].kill()
 
     rt.progress = kill_after_two
     res = rt.run()

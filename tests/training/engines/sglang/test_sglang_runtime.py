@@ -62,7 +62,7 @@ def test_a_run_on_the_sglang_path_survives_an_engine_restart(ray_session, sglang
     seen: dict[int, dict] = {}
 
     def on_step(step, total, metrics):
-        (st,) = rt.fleet.statuses(ray_session)
+        (st,) = rt.backend.fleet.statuses(ray_session)
         seen[step] = st
         if step == 2:  # the engine crashes after the sync that followed step 2
             os.kill(st["pid"], signal.SIGKILL)
@@ -81,7 +81,7 @@ def test_a_run_on_the_sglang_path_survives_an_engine_restart(ray_session, sglang
     assert seen[4]["url"] == seen[1]["url"] and seen[4]["state"] == "ready"
     assert rows[-1]["async/trained_samples"] == 4 * 16
     # the run stopped its engines and the fleet
-    assert rt.fleet is None
+    assert rt.backend.fleet is None
     assert _gone(seen[4]["pid"], 10)
 
 
@@ -118,8 +118,9 @@ def test_a_run_behind_the_real_sglang_router_syncs_each_engine_directly(
         import httpx
 
         seen[step] = [{**st, "info": httpx.get(st["url"] + "/server_info").json()}
-                      for st in rt.fleet.statuses(ray_session)]
-        seen[step].append({"router_url": rt.fleet.router_url, "log_dir": rt.fleet.log_dir})
+                      for st in rt.backend.fleet.statuses(ray_session)]
+        fleet = rt.backend.fleet
+        seen[step].append({"router_url": fleet.router_url, "log_dir": fleet.log_dir})
 
     rt.progress = on_step
     res = rt.run()
@@ -145,7 +146,7 @@ def test_a_run_behind_the_real_sglang_router_syncs_each_engine_directly(
     assert "uri=/generate" in log
     for path in ("/update_weights_from_disk", "/pause_generation", "/continue_generation"):
         assert f"uri={path}" not in log
-    assert rt.fleet is None
+    assert rt.backend.fleet is None
 
 
 def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand_in, tmp_path):
@@ -176,7 +177,7 @@ def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand
     def on_step(step, total, metrics):
         import httpx
 
-        (st,) = rt.fleet.statuses(ray_session)
+        (st,) = rt.backend.fleet.statuses(ray_session)
         seen[step] = {**st, "served": httpx.get(st["url"] + "/model_info").json(),
                       "metrics": metrics}
         if step == 2:  # the engine crashes after the sync that followed step 2
@@ -200,4 +201,4 @@ def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand
     assert groups == ["(broadcast over asyncrl-weights-1)"] * 2 + \
         ["(broadcast over asyncrl-weights-2)"]
     assert rows[-1]["async/trained_samples"] == 4 * 16
-    assert rt.fleet is None
+    assert rt.backend.fleet is None

@@ -1,0 +1,85 @@
+"""The runtime's parts chosen once from the recipe: the rollout backend and the parameter
+synchroniser's transport (training.runtime.backends, training.runtime.weight_sync). Their runs are
+tested end to end in test_runtime.py (embedded, disk) and tests/training/engines/sglang (SGLang
+fleet, sglang-router direct loads, the gloo broadcast)."""
+
+from pathlib import Path
+
+import pytest
+
+from training.recipe import recipe_from_dict
+from training.runtime.backends import EmbeddedBackend, SGLangBackend, rollout_backend
+from training.runtime.weight_sync import (
+    DirectSync,
+    DiskSync,
+    NcclSync,
+    SyncError,
+    parameter_sync,
+)
+
+
+def _recipe(**engines):
+    data = {"name": "t", "engines": engines}
+    if engines.get("sglang", {}).get("weight_sync") == "nccl":
+        data["engines"]["train"] = "megatron"
+    return recipe_from_dict(data)
+
+
+CASES = [
+    ({}, EmbeddedBackend, "disk", DiskSync),
+    ({"rollout": "sglang"}, SGLangBackend, "disk", DiskSync),
+    ({"rollout": "sglang", "sglang": {"router": "sglang-router"}}, SGLangBackend, "direct",
+     DirectSync),
+    ({"rollout": "sglang", "sglang": {"weight_sync": "nccl"}}, SGLangBackend, "nccl", NcclSync),
+]
+
+
+@pytest.mark.parametrize(("engines", "backend_type", "transport", "sync_type"), CASES)
+def test_backend_and_transport_follow_the_recipe(tmp_path, engines, backend_type, transport,
+                                                 sync_type):
+    recipe = _recipe(**engines)
+    assert recipe.engines.weight_transport == transport
+    backend = rollout_backend(recipe, tmp_path / "run")
+    assert type(backend) is backend_type
+    sync = parameter_sync(recipe, tmp_path / "run", None, None, backend)
+    assert type(sync) is sync_type
+    if backend_type is SGLangBackend:  # SGLang logs live under the state directory, per run
+        assert backend.log_dir().name == "run"
+        assert backend.control_urls is None and backend.fleet is None
+        assert not backend.alive(None) and backend.failure(None) == "the fleet never started"
+
+
+def test_a_fleet_transport_refuses_embedded_engines(tmp_path):
+    recipe = _recipe(rollout="sglang", sglang={"router": "sglang-router"})
+    with pytest.raises(SyncError, match="needs SGLang engines"):
+        parameter_sync(recipe, tmp_path, None, None, EmbeddedBackend(recipe))
+
+
+def test_versions_and_exports(tmp_path):
+    recipe = recipe_from_dict({"name": "t", "async": {"mode": "fully_async",
+                                                      "max_off_policy_steps": 1}})
+    sync = parameter_sync(recipe, tmp_path, None, None, EmbeddedBackend(recipe))
+    sync.started_at(3, [1, 2])  # a resumed run that had synced versions 1 and 2, now serves 3
+    assert sync.synced_versions == [1, 2, 3] and sync.last_synced == 3
+    sync.started_at(3)
+    assert sync.synced_versions == [1, 2, 3]
+    # trainer steps 0..3 started from versions 1, 2, 3, 3: with max_off_policy_steps 1 the
+    # oldest a kept sample can carry is the version of step len-2-1 = 1 → version 2
+    assert sync.referenced_versions([1, 2, 3, 3]) == [2, 3]
+    unlimited = parameter_sync(recipe_from_dict({"name": "t"}), tmp_path, None, None,
+                               EmbeddedBackend(recipe))
+    unlimited.started_at(0, [0, 1, 2])
+    assert unlimited.referenced_versions([0, 1, 2]) == [0, 1, 2]
+    for v in range(1, 6):
+        (tmp_path / "weights" / f"v{v}").mkdir(parents=True)
+    (tmp_path / "weights" / "vlatest").mkdir()  # not a version: left alone
+    sync._prune_exports(5, tmp_path / "weights" / "v5")
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v4", "v5", "vlatest"]
+
+
+def test_embedded_backend_without_servers(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
+    backend = EmbeddedBackend(recipe_from_dict({"name": "t"}))
+    assert backend.log_dir() == Path(tmp_path) / "logs"
+    assert not backend.alive(None)
+    backend.stop(None)  # nothing started: nothing to stop
