@@ -119,34 +119,16 @@ engine_app = typer.Typer(help="Rollout engines: serve the embedded SGLang-compat
 app.add_typer(engine_app, name="engine")
 
 
-@engine_app.command("serve")
-def engine_serve(
-    checkpoint: Path = typer.Option(..., help="HF-format checkpoint directory to serve."),
-    port: int = typer.Option(30000, help="Port to listen on."),
-    host: str = typer.Option("127.0.0.1", help="Interface to bind (no authentication: keep it "
-                             "local unless the network is trusted)."),
-    dtype: str = typer.Option("bf16", help="Numerics: bf16 | fp32 | fp8 (simulated fp8 weights)."),
-    logit_noise: float = typer.Option(0.0, help="Std of Gaussian noise added to logits."),
-    seed: int = typer.Option(0, help="Engine seed (logit noise, unseeded requests)."),
-    max_batch: int = typer.Option(64, help="Most sequences decoded together."),
-    threads: int = typer.Option(1, help="torch threads of the server process."),
-    weight_version: str | None = typer.Option(
-        None, "--weight-version", help="Version label of the served weights, as SGLang's "
-        "--weight-version (default: the checkpoint's own version, else \"default\")."),
-) -> None:
+@engine_app.command("serve", add_help_option=False, context_settings={
+    "allow_extra_args": True, "ignore_unknown_options": True})
+def engine_serve(ctx: typer.Context) -> None:
     """Serve a checkpoint over SGLang's HTTP API (/generate, /update_weights_from_disk, …) with
     continuous batching on CPU."""
-    if dtype not in ("bf16", "fp32", "fp8"):
-        fail(f"--dtype {dtype!r} is not one of bf16, fp32, fp8")
-    from training.engines.embedded.server import ServerConfig, ServerStartError, serve
-    from training.engines.hf_io import CheckpointError
+    # the options are ServerConfig's fields, parsed and validated by the server's own entry point
+    # (one definition; importing it here would slow every other command's start)
+    from training.engines.embedded.server import main as serve_main
 
-    try:  # "serving … on …" is printed once listening; bind failures are one-line errors
-        serve(ServerConfig(checkpoint=str(checkpoint), host=host, port=port, dtype=dtype,
-                           logit_noise=logit_noise, seed=seed, max_batch=max_batch,
-                           threads=threads, weight_version=weight_version))
-    except (CheckpointError, ServerStartError, ValueError) as e:
-        fail(str(e))
+    raise typer.Exit(serve_main(ctx.args, prog="asyncrl engine serve"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ class EmbeddedServer:
     Args:
         checkpoint: HF-format checkpoint directory.
         port: port to bind; a free one when None.
-        dtype / logit_noise / seed / max_batch / threads: server options (see ``ServerConfig``).
+        dtype / logit_noise / seed / max_batch / threads: server options (``ServerConfig``'s
+            fields; an invalid one raises ServerConfigError here, before anything starts).
         entry: the command that serves, before the options (default: this package's server
             module; ``[sys.executable, "-m", "ui.cli", "engine", "serve"]`` runs the CLI).
         log_path: where stdout/stderr go (default: $ASYNCRL_HOME/logs/engine-PORT-TIME.log).
@@ -48,13 +49,13 @@ class EmbeddedServer:
                  logit_noise: float = 0.0, seed: int = 0, max_batch: int = 64, threads: int = 1,
                  entry: Sequence[str] | None = None, log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, watch_parent: bool = True) -> None:
-        self.checkpoint = str(checkpoint)
-        self.host = "127.0.0.1"
-        self.port = port or free_port()
-        self.options = ["--dtype", dtype, "--logit-noise", str(logit_noise), "--seed", str(seed),
-                        "--max-batch", str(max_batch), "--threads", str(threads)]
-        if watch_parent and entry is None:  # the server exits if this process is killed
-            self.options += ["--parent-pid", str(os.getpid())]
+        from training.engines.embedded.server import ServerConfig  # fastapi: only when serving
+
+        self.config = ServerConfig(checkpoint=str(checkpoint), port=port or free_port(),
+                                   dtype=dtype, logit_noise=logit_noise, seed=seed,
+                                   max_batch=max_batch, threads=threads)
+        # the server exits if this process is killed
+        self.parent_pid = os.getpid() if watch_parent and entry is None else None
         self.entry = list(entry or [sys.executable, "-m", "training.engines.embedded.server"])
         if log_path is None:  # logs live in the state directory (DESIGN.md), one per server
             logs = state_dir() / "logs"
@@ -65,6 +66,14 @@ class EmbeddedServer:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def host(self) -> str:
+        return self.config.host
+
+    @property
+    def port(self) -> int:
+        return self.config.port
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
@@ -73,8 +82,8 @@ class EmbeddedServer:
         return self.proc.pid if self.proc else None
 
     def command(self) -> list[str]:
-        return [*self.entry, "--checkpoint", self.checkpoint, "--host", self.host,
-                "--port", str(self.port), *self.options]
+        parent = [] if self.parent_pid is None else ["--parent-pid", str(self.parent_pid)]
+        return [*self.entry, *self.config.argv(), *parent]
 
     def start(self) -> EmbeddedServer:
         if self.proc is not None and self.proc.poll() is None:

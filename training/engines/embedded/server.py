@@ -1,8 +1,11 @@
 """The embedded rollout server: SGLang's HTTP API (the subset RL uses) over the CPU engine loop.
 
 Run it with ``asyncrl engine serve --checkpoint DIR --port P`` (or ``python -m
-training.engines.embedded.server``). Endpoints, with SGLang 0.5.23's field names and JSON types
-(``sglang.srt.managers.io_struct``), so a client written against SGLang works unchanged:
+training.engines.embedded.server``); the options are :class:`ServerConfig`'s fields, one
+``--kebab-case`` option each. The routes are grouped by concern (generation, weights, control,
+info), each handler receiving its body already validated. Endpoints, with SGLang 0.5.23's field
+names and JSON types (``sglang.srt.managers.io_struct``), so a client written against SGLang works
+unchanged:
 
 - ``POST /generate`` (``GenerateReqInput``): ``input_ids`` (or ``text``; a list of either is a
   batch), ``sampling_params`` (one object or one per batch item), ``return_logprob`` (bool or one
@@ -40,9 +43,10 @@ training.engines.embedded.server``). Endpoints, with SGLang 0.5.23's field names
 Weight versions are SGLang's opaque strings both ways (``"default"`` when the checkpoint names
 none; an asyncrl checkpoint names its ``asyncrl.json`` version, ``"7"``); the engine orders them
 by load (see :mod:`.engine`). A body is read with SGLang's types and JSON's own values only (a
-string is not a number or a boolean): a field of the wrong type, a missing required field, or a
-feature this engine does not implement asked for (top log-probs, hidden states, LoRA, images,
-penalties, grammars…) answers HTTP 400 with one line naming the field and the fix, in SGLang's
+string is not a number or a boolean): a body that is not a JSON object (on every endpoint that
+reads one), a field of the wrong type, a missing required field, or a feature this engine does
+not implement asked for (top log-probs, hidden states, LoRA, images, penalties, grammars…)
+answers HTTP 400 with one line naming the field and the fix, in SGLang's
 error shape (``{"object": "error", "message", "type", "code"}``, plus ``error.message`` and, for
 the weight endpoints, ``success: false``). SGLang fields that change nothing on one CPU engine
 (routing, logging, priority, disaggregation, CUDA-graph and cache knobs) and unknown fields are
@@ -67,17 +71,18 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from training.engines.embedded.engine import RolloutEngineCore, Sequence, SequenceOutput
 from training.engines.hf_io import META_FILE, CheckpointError, load_hf_dir
@@ -92,41 +97,95 @@ from training.engines.sampling import PrecisionConfig, SequenceRandom, apply_pre
 from training.tasks.tokenizer import CharTokenizer
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Options of ``asyncrl engine serve``.
+class ServerConfigError(ValueError):
+    """A server option out of its range or choices; the message is one line naming the
+    ``--option`` and the values it takes."""
 
-    checkpoint: HF-format checkpoint directory (config.json + model.safetensors + tokenizer).
-    host / port: where to listen (127.0.0.1 by default: the server has no authentication).
-    dtype / logit_noise / seed: engine numerics (``training.engines.sampling``).
-    max_batch: most sequences decoded together.
-    threads: torch intra-op threads (1 keeps several servers and a trainer off each other's cores).
-    served_model_name: name reported by ``/v1/models`` (default: the checkpoint directory name).
-    weight_version: the served weights' version label (SGLang's ``--weight-version``; default:
-        the checkpoint's ``asyncrl.json`` version, else "default").
+
+class ServerConfig(BaseModel):
+    """Options of ``asyncrl engine serve`` (= ``python -m training.engines.embedded.server``).
+
+    The one definition of the options: each field is the ``--kebab-case`` option of the same
+    name, with its type, default, bounds and (as the description) its help (:func:`add_arguments`
+    builds the parser from the fields, :meth:`argv` the command line back). An invalid option
+    raises ServerConfigError in one line.
     """
 
-    checkpoint: str
-    host: str = "127.0.0.1"
-    port: int = 30000
-    dtype: str = "bf16"
-    logit_noise: float = 0.0
-    seed: int = 0
-    max_batch: int = 64
-    threads: int = 1
-    served_model_name: str | None = None
-    log_level: str = "warning"
-    weight_version: str | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.threads < 1:
-            raise ValueError("max_batch and threads must be >= 1")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} is out of range")
+    checkpoint: str = Field(description="HF-format checkpoint directory to serve (config.json + "
+                                        "model.safetensors + tokenizer).")
+    host: str = Field("127.0.0.1", description="Interface to bind (no authentication: keep it "
+                                               "local unless the network is trusted).")
+    port: int = Field(30000, ge=0, le=65535, description="Port to listen on (0: a free one).")
+    dtype: Literal["bf16", "fp32", "fp8"] = Field(
+        "bf16", description="Engine numerics (fp8: simulated fp8 weights, bf16 compute).")
+    logit_noise: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                               description="Std of Gaussian noise added to the logits.")
+    seed: int = Field(0, description="Engine seed (logit noise, requests that bring no seed).")
+    max_batch: int = Field(64, ge=1, description="Most sequences decoded together.")
+    threads: int = Field(1, ge=1, description="torch intra-op threads of the server process (1 "
+                                              "keeps several servers and a trainer off each "
+                                              "other's cores).")
+    served_model_name: str | None = Field(
+        None, description="Name reported by /v1/models (default: the checkpoint directory name).")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "warning", description="uvicorn's log level.")
+    weight_version: str | None = Field(
+        None, description="Version label of the served weights, as SGLang's --weight-version "
+                          "(default: the checkpoint's asyncrl.json version, else 'default').")
+
+    def __init__(self, **options: Any) -> None:
+        try:
+            super().__init__(**options)
+        except ValidationError as e:
+            raise ServerConfigError(_option_error(e)) from None
 
     @property
     def precision(self) -> PrecisionConfig:
         return PrecisionConfig(dtype=self.dtype, logit_noise=self.logit_noise, seed=self.seed)
+
+    def argv(self) -> list[str]:
+        """The command-line options that give this config back (unset optional ones left out)."""
+        return [arg for name, value in self if value is not None
+                for arg in (_option(name), str(value))]
+
+
+def _option(field: str) -> str:
+    """The command-line option of a ServerConfig field: max_batch → --max-batch."""
+    return "--" + field.replace("_", "-")
+
+
+def _option_error(e: ValidationError) -> str:
+    """The first error of a ServerConfig validation as one line naming the option."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    name = str(first["loc"][0]) if first["loc"] else "options"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    if first["type"] == "missing":
+        return f"{_option(name)} is required{more}"
+    if first["type"] == "extra_forbidden":
+        return (f"{name} is not a server option{more}; the options are "
+                f"{', '.join(ServerConfig.model_fields)}")
+    reason = first["msg"][0].lower() + first["msg"][1:]
+    return f"{_option(name)} {first['input']!r}: {reason}{more}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per ServerConfig field (name → ``--kebab-case``; its type, default, help and,
+    for a Literal, its choices), and ``--parent-pid``."""
+    for name, field in ServerConfig.model_fields.items():
+        kind = field.annotation
+        if get_origin(kind) in (Union, UnionType):  # X | None: the option's type is X
+            [kind] = [a for a in get_args(kind) if a is not type(None)]
+        choices = get_args(kind) if get_origin(kind) is Literal else None
+        parser.add_argument(_option(name), dest=name, required=field.is_required(),
+                            default=None if field.is_required() else field.default,
+                            type=type(choices[0]) if choices else kind, choices=choices,
+                            help=field.description)
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is gone (a driver that started the server "
+                             "and was killed without stopping it)")
 
 
 def load_for_serving(path: str | Path, precision: PrecisionConfig
@@ -251,11 +310,6 @@ class _FlushCache(_Body):  # FlushCacheReqInput
 # load formats that read this server's checkpoints (HF safetensors); SGLang's others (dummy,
 # gguf, bitsandbytes, …) do not apply
 _LOAD_FORMATS = (None, "auto", "safetensors")
-
-# endpoints whose SGLang answers carry `success` (also on a refusal here)
-_WEIGHT_PATHS = frozenset({
-    "/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
-    "/begin_weight_update", "/end_weight_update", "/update_weight_version"})
 
 
 class BodyError(ValueError):
@@ -581,283 +635,218 @@ def _stream(seq: Sequence, item: _Item, core: RolloutEngineCore,
 
 
 # ------------------------------------------------------------------------------------------------
-# the app
+# the app: one router per concern; handlers receive the shared state and their typed body
 # ------------------------------------------------------------------------------------------------
 
 
-def create_app(state: ServerState) -> FastAPI:
-    """The FastAPI app over a started engine loop."""
-    app = FastAPI(title="asyncrl embedded rollout engine", version=_version())
+def _server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(_server_state)]
+
+
+def _body(model: type[_Body]) -> Any:
+    """A dependency giving the request body as ``model`` (BodyError naming the field)."""
+
+    async def parse(request: Request) -> _Body:
+        return await _parse(request, model)
+
+    return Depends(parse)
+
+
+async def _generate_body(request: Request, state: State) -> _GenerateBody:
+    try:
+        return _parse_generate(await _read_json(request), state)
+    except BodyError:
+        raise
+    except ValueError as e:  # e.g. a text character the tokenizer does not know
+        raise BodyError(str(e)) from None
+    except (TypeError, KeyError, IndexError, AttributeError) as e:  # a shape not foreseen
+        raise BodyError(f"malformed /generate body ({type(e).__name__}: {e}); see SGLang's "
+                        "GenerateReqInput fields") from None
+
+
+generation_routes = APIRouter(tags=["generation"])
+
+
+@generation_routes.post("/generate")
+@generation_routes.put("/generate")
+async def generate(request: Request, state: State,
+                   req: Annotated[_GenerateBody, Depends(_generate_body)]) -> Response:
     core = state.core
-
-    @app.exception_handler(BodyError)
-    async def body_error(request: Request, e: BodyError):
-        extra = {"success": False} if request.url.path in _WEIGHT_PATHS else {}
-        return _error(400, str(e), **extra)
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        try:
-            req = _parse_generate(await _read_json(request), state)
-        except BodyError:
-            raise
-        except ValueError as e:  # e.g. a text character the tokenizer does not know
-            raise BodyError(str(e)) from None
-        except (TypeError, KeyError, IndexError, AttributeError) as e:  # a shape not foreseen
-            raise BodyError(f"malformed /generate body ({type(e).__name__}: {e}); see SGLang's "
-                            "GenerateReqInput fields") from None
-        seqs = _sequences(req, state)
-        items, batched = req.items, req.batched
-        tokenizer = state.tokenizer if req.text_in_logprobs else None
-        if req.stream:
-            response = _stream(seqs[0], items[0], core, tokenizer)
-            core.submit(seqs)
-            return response
+    seqs = _sequences(req, state)
+    tokenizer = state.tokenizer if req.text_in_logprobs else None
+    if req.stream:
+        response = _stream(seqs[0], req.items[0], core, tokenizer)
         core.submit(seqs)
+        return response
+    core.submit(seqs)
+    try:
+        outs = await _wait_all(request, seqs, core)
+    except RuntimeError as e:
+        return _error(500, str(e))
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(_answer(req, outs, tokenizer))
+
+
+def _answer(req: _GenerateBody, outs: list[SequenceOutput], tokenizer: CharTokenizer | None
+            ) -> dict[str, Any] | list[dict[str, Any]]:
+    """One object for a single request with n = 1, else the request-major list."""
+    flags = [it.return_logprob for it in req.items for _ in range(it.params.n)]
+    results = [_format(o, lp, tokenizer) for o, lp in zip(outs, flags, strict=True)]
+    if not req.batched and req.items[0].params.n == 1:
+        return results[0]
+    return results
+
+
+weight_routes = APIRouter(tags=["weights"])
+
+
+@weight_routes.post("/update_weights_from_disk")
+async def update_weights_from_disk(state: State,
+                                   body: Annotated[_UpdateFromDisk, _body(_UpdateFromDisk)]):
+    core, path = state.core, body.model_path
+    if not path:
+        raise BodyError("model_path is required: the checkpoint directory to load")
+    if body.load_format not in _LOAD_FORMATS:
+        raise BodyError(f"load_format {body.load_format!r}: this server loads HF safetensors "
+                        "checkpoints; send auto or omit it")
+    if body.keep_pause:  # SGLang pauses for a load and can stay paused; a load here never
+        raise BodyError("keep_pause: a weight load here never pauses generation; omit it "
+                        "and call /pause_generation")
+    async with state.update_lock:
         try:
-            outs = await _wait_all(request, seqs, core)
-        except RuntimeError as e:
-            return _error(500, str(e))
-        if outs is None:
-            return Response(status_code=499)
-        n_per = [it.params.n for it in items]
-        lp_flags = [it.return_logprob for it, n in zip(items, n_per, strict=True)
-                    for _ in range(n)]
-        results = [_format(o, lp, tokenizer) for o, lp in zip(outs, lp_flags, strict=True)]
-        if not batched and n_per[0] == 1:
-            return JSONResponse(results[0])
-        return JSONResponse(results)
+            model, _, ckpt_label = await asyncio.get_running_loop().run_in_executor(
+                None, load_for_serving, path, core.precision)
+            await asyncio.wrap_future(core.swap_weights(
+                model, body.weight_version or ckpt_label, body.abort_all_requests))
+        except (CheckpointError, ValueError) as e:
+            return JSONResponse({"success": False, "message": (
+                f"failed to load weights from {path}: {e}; still serving weight_version "
+                f"{core.weight_version} from {state.model_path}"),
+                "num_paused_requests": 0}, status_code=400)
+        state.model_path = str(Path(path).resolve())
+    return {"success": True, "message": f"loaded {state.model_path} as weight_version "
+                                        f"{core.weight_version}", "num_paused_requests": 0}
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body = await _parse(request, _UpdateFromDisk)
-        path = body.model_path
-        if not path:
-            raise BodyError("model_path is required: the checkpoint directory to load")
-        if body.load_format not in _LOAD_FORMATS:
-            raise BodyError(f"load_format {body.load_format!r}: this server loads HF safetensors "
-                            "checkpoints; send auto or omit it")
-        if body.keep_pause:  # SGLang pauses for a load and can stay paused; a load here never
-            raise BodyError("keep_pause: a weight load here never pauses generation; omit it "
-                            "and call /pause_generation")
-        async with state.update_lock:
-            try:
-                model, _, ckpt_label = await asyncio.get_running_loop().run_in_executor(
-                    None, load_for_serving, path, core.precision)
-                await asyncio.wrap_future(core.swap_weights(
-                    model, body.weight_version or ckpt_label, body.abort_all_requests))
-            except (CheckpointError, ValueError) as e:
-                return JSONResponse({"success": False, "message": (
-                    f"failed to load weights from {path}: {e}; still serving weight_version "
-                    f"{core.weight_version} from {state.model_path}"),
-                    "num_paused_requests": 0}, status_code=400)
-            state.model_path = str(Path(path).resolve())
-        return {"success": True, "message": f"loaded {state.model_path} as weight_version "
-                                            f"{core.weight_version}", "num_paused_requests": 0}
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        body = await _parse(request, _InitWeightGroup)
-        if body.backend != "gloo":
-            raise BodyError(f"backend {body.backend!r}: the embedded server runs on CPU; use "
-                            "backend gloo")
-        from training.engines.sglang.nccl_sync import new_weight_group
+@weight_routes.post("/init_weights_update_group")
+async def init_weights_update_group(state: State,
+                                    body: Annotated[_InitWeightGroup, _body(_InitWeightGroup)]):
+    if body.backend != "gloo":
+        raise BodyError(f"backend {body.backend!r}: the embedded server runs on CPU; use "
+                        "backend gloo")
+    from training.engines.sglang.nccl_sync import new_weight_group
 
-        name = body.group_name
+    name = body.group_name
+    try:
+        group = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: new_weight_group(
+                body.master_address, body.master_port, body.rank_offset, body.world_size,
+                group_name=name, backend=body.backend, timeout_s=120.0))
+    except Exception as e:  # rendezvous timeout, refused connection
+        return JSONResponse({"success": False, "message": (
+            f"could not join weight group {name!r} at {body.master_address}:"
+            f"{body.master_port}: {type(e).__name__}: {e}")}, 500)
+    state.weight_groups[name] = group
+    return {"success": True, "message": f"joined weight group {name!r} as rank {body.rank_offset}"}
+
+
+@weight_routes.post("/begin_weight_update")
+async def begin_weight_update(state: State,
+                              body: Annotated[_WeightSession, _body(_WeightSession)]):
+    _only_target(body)
+    if state.weight_session:
+        return JSONResponse({"success": False, "message": (
+            "a weight-update session is already open; call /end_weight_update first")}, 400)
+    state.weight_session = True
+    return {"success": True, "message": "weight-update session open"}
+
+
+@weight_routes.post("/end_weight_update")
+async def end_weight_update(state: State,
+                            body: Annotated[_WeightSession, _body(_WeightSession)]):
+    _only_target(body)
+    if not state.weight_session:
+        return JSONResponse({"success": False, "message": (
+            "no weight-update session is open; call /begin_weight_update first")}, 400)
+    state.weight_session = False
+    return {"success": True, "message": "weight-update session closed"}
+
+
+@weight_routes.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(
+        state: State, body: Annotated[_UpdateFromDistributed, _body(_UpdateFromDistributed)]):
+    core, name = state.core, body.group_name
+    if not state.weight_session:  # as SGLang (0.5.23): only inside a session
+        return JSONResponse({"success": False, "message": (
+            "update_weights_from_distributed must run between /begin_weight_update and "
+            "/end_weight_update")}, 400)
+    group = state.weight_groups.get(name)
+    if group is None:
+        return JSONResponse({"success": False, "message": (
+            f"no weight group {name!r}; call /init_weights_update_group first")}, 400)
+    dtypes = _tensor_dtypes(body)
+    async with state.update_lock:
+        loop = asyncio.get_running_loop()
         try:
-            group = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: new_weight_group(
-                    body.master_address, body.master_port, body.rank_offset, body.world_size,
-                    group_name=name, backend=body.backend, timeout_s=120.0))
-        except Exception as e:  # rendezvous timeout, refused connection
+            tensors = await loop.run_in_executor(None, _receive, body.shapes, dtypes, group)
+            model = await loop.run_in_executor(
+                None, _with_weights, core.model, dict(zip(body.names, tensors, strict=True)),
+                core.precision)
+            await asyncio.wrap_future(core.swap_weights(
+                model, body.weight_version, body.abort_all_requests))
+        except (RuntimeError, ValueError, KeyError) as e:
             return JSONResponse({"success": False, "message": (
-                f"could not join weight group {name!r} at {body.master_address}:"
-                f"{body.master_port}: {type(e).__name__}: {e}")}, 500)
-        state.weight_groups[name] = group
-        return {"success": True,
-                "message": f"joined weight group {name!r} as rank {body.rank_offset}"}
+                f"weight update over group {name!r} failed: {e}; still serving "
+                f"weight_version {core.weight_version}")}, 400)
+        state.model_path = f"(broadcast over {name})"
+    return {"success": True, "message": f"loaded {len(body.names)} tensors as weight_version "
+                                        f"{core.weight_version}"}
 
-    @app.post("/begin_weight_update")
-    async def begin_weight_update(request: Request):
-        _only_target(await _parse(request, _WeightSession))
-        if state.weight_session:
-            return JSONResponse({"success": False, "message": (
-                "a weight-update session is already open; call /end_weight_update first")}, 400)
-        state.weight_session = True
-        return {"success": True, "message": "weight-update session open"}
 
-    @app.post("/end_weight_update")
-    async def end_weight_update(request: Request):
-        _only_target(await _parse(request, _WeightSession))
-        if not state.weight_session:
-            return JSONResponse({"success": False, "message": (
-                "no weight-update session is open; call /begin_weight_update first")}, 400)
-        state.weight_session = False
-        return {"success": True, "message": "weight-update session closed"}
+@weight_routes.post("/update_weight_version")
+async def update_weight_version(
+        state: State, body: Annotated[_UpdateWeightVersion, _body(_UpdateWeightVersion)]):
+    async with state.update_lock:  # the same weights, as a new load under the new label
+        await asyncio.wrap_future(state.core.swap_weights(None, body.new_version,
+                                                          body.abort_all_requests))
+    return {"success": True, "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version}
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        body = await _parse(request, _UpdateFromDistributed)
-        if not state.weight_session:  # as SGLang (0.5.23): only inside a session
-            return JSONResponse({"success": False, "message": (
-                "update_weights_from_distributed must run between /begin_weight_update and "
-                "/end_weight_update")}, 400)
-        name = body.group_name
-        group = state.weight_groups.get(name)
-        if group is None:
-            return JSONResponse({"success": False, "message": (
-                f"no weight group {name!r}; call /init_weights_update_group first")}, 400)
-        names = body.names
-        dtypes = [getattr(torch, d, None) for d in body.dtypes]
-        if not len(names) == len(dtypes) == len(body.shapes):
-            raise BodyError("names, dtypes and shapes must be lists of the same length")
-        for d, dtype in zip(body.dtypes, dtypes, strict=True):
-            if not isinstance(dtype, torch.dtype):
-                raise BodyError(f"dtypes holds {d!r}, not a torch dtype name such as bfloat16")
-        async with state.update_lock:
-            def receive() -> list[torch.Tensor]:
-                import torch.distributed as dist
 
-                tensors = [torch.empty(shp, dtype=d) for shp, d in zip(body.shapes, dtypes,
-                                                                       strict=True)]
-                for t in tensors:  # the sender broadcasts in list order
-                    dist.broadcast(t, src=0, group=group)
-                return tensors
-
-            loop = asyncio.get_running_loop()
-            try:
-                tensors = await loop.run_in_executor(None, receive)
-                model = await loop.run_in_executor(
-                    None, _with_weights, core.model, dict(zip(names, tensors, strict=True)),
-                    core.precision)
-                await asyncio.wrap_future(core.swap_weights(
-                    model, body.weight_version, body.abort_all_requests))
-            except (RuntimeError, ValueError, KeyError) as e:
-                return JSONResponse({"success": False, "message": (
-                    f"weight update over group {name!r} failed: {e}; still serving "
-                    f"weight_version {core.weight_version}")}, 400)
-            state.model_path = f"(broadcast over {name})"
-        return {"success": True, "message": f"loaded {len(names)} tensors as weight_version "
-                                            f"{core.weight_version}"}
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        body = await _parse(request, _UpdateWeightVersion)
-        async with state.update_lock:  # the same weights, as a new load under the new label
-            await asyncio.wrap_future(core.swap_weights(None, body.new_version,
-                                                        body.abort_all_requests))
-        return {"success": True, "message": f"Weight version updated to {body.new_version}",
-                "new_version": body.new_version}
-
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": core.weight_version}
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        mode = (await _parse(request, _Pause)).mode
-        count = await asyncio.wrap_future(core.pause(mode))
-        return {"success": True, "status": "ok",
-                "message": f"paused ({mode}); {count} running requests affected"}
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request):
-        await _parse(request, _Continue)
-        await asyncio.wrap_future(core.resume())
-        return {"success": True, "status": "ok", "message": "generation continued"}
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body = await _parse(request, _Abort)
-        if body.abort_all:
-            count = await asyncio.wrap_future(core.abort(None))
-        elif body.rid:
-            count = await asyncio.wrap_future(core.abort(body.rid))
-        else:  # SGLang's AbortReq defaults: nothing to abort
-            return {"success": True, "aborted": 0,
-                    "message": "nothing aborted: pass rid or abort_all: true"}
-        return {"success": True, "aborted": count}
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request):
-        await _parse(request, _FlushCache)
-        return {"success": True, "message": "no prefix cache to flush"}
-
-    @app.get("/health")
-    async def health():
-        if not core.alive:
-            return _error(503, "engine loop is not running")
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate():
-        if not core.alive:
-            return _error(503, "engine loop is not running")
-        if core.paused is not None:
-            return Response(status_code=200)
-        seq = Sequence(rid=f"health-{uuid.uuid4().hex}", group_rid="health",
-                       prompt_ids=[core.config.bos_token_id],
-                       params=SamplingParams(max_new_tokens=1, temperature=0.0),
-                       max_new_tokens=1, rng=SequenceRandom(0))
-        core.submit([seq])
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(seq.future), timeout=30.0)
-        except (TimeoutError, RuntimeError) as e:
-            return _error(503, f"generation health check failed: {e!r}")
-        return Response(status_code=200)
-
-    def model_info() -> dict[str, Any]:
-        c = core.config
-        hf = c.to_hf_dict()
-        return {"model_path": state.model_path, "tokenizer_path": state.model_path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": core.weight_version, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": hf["model_type"],
-                "architectures": hf["architectures"], "vocab_size": c.vocab_size,
-                "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size,
-                "num_local_experts": c.num_experts, "num_experts_per_tok":
-                    c.num_experts_per_tok if c.is_moe else None,
-                "max_position_embeddings": c.max_position_embeddings,
-                "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
-                "pad_token_id": c.pad_token_id, "dtype": state.cfg.dtype}
-
-    app.get("/model_info")(model_info)
-    app.get("/get_model_info")(model_info)
-
-    def server_info() -> dict[str, Any]:
-        cfg = state.cfg
-        return {"engine": "asyncrl-embedded", "version": _version(),
-                "model_path": state.model_path, "served_model_name": state.name,
-                "host": cfg.host, "port": cfg.port, "dtype": cfg.dtype,
-                "logit_noise": cfg.logit_noise, "random_seed": cfg.seed,
-                "max_running_requests": cfg.max_batch, "threads": cfg.threads,
-                "context_length": core.config.max_position_embeddings,
-                "max_total_num_tokens": cfg.max_batch * core.config.max_position_embeddings,
-                "weight_version": core.weight_version, "uptime_s": time.time() - state.started,
-                "internal_states": [core.state()]}
-
-    app.get("/server_info")(server_info)
-    app.get("/get_server_info")(server_info)
-
-    @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": [{
-            "id": state.name, "object": "model", "created": int(state.started),
-            "owned_by": "asyncrl", "root": state.model_path,
-            "max_model_len": core.config.max_position_embeddings}]}
-
-    @app.get("/get_load")
-    async def get_load():
-        return [{"dp_rank": 0, "num_tokens": core.load_tokens(),
-                 "num_reqs": core.state()["running"] + core.state()["waiting"]}]
-
-    return app
+# endpoints whose SGLang answers carry `success` (also on a refusal here)
+_WEIGHT_PATHS = frozenset(route.path for route in weight_routes.routes)
 
 
 def _only_target(body: _WeightSession) -> None:
     if body.selector not in (None, "all", "target"):  # SGLang: all | target | draft
         raise BodyError(f"selector {body.selector!r}: the embedded server serves one model (no "
                         "draft); send all, target or omit it")
+
+
+def _tensor_dtypes(body: _UpdateFromDistributed) -> list[torch.dtype]:
+    """The torch dtypes ``body`` names, one per tensor (BodyError on a mismatch)."""
+    if not len(body.names) == len(body.dtypes) == len(body.shapes):
+        raise BodyError("names, dtypes and shapes must be lists of the same length")
+    dtypes = [getattr(torch, d, None) for d in body.dtypes]
+    for d, dtype in zip(body.dtypes, dtypes, strict=True):
+        if not isinstance(dtype, torch.dtype):
+            raise BodyError(f"dtypes holds {d!r}, not a torch dtype name such as bfloat16")
+    return dtypes
+
+
+def _receive(shapes: list[list[int]], dtypes: list[torch.dtype], group: Any
+             ) -> list[torch.Tensor]:
+    """The tensors rank 0 of ``group`` broadcasts, in list order."""
+    import torch.distributed as dist
+
+    tensors = [torch.empty(shape, dtype=d) for shape, d in zip(shapes, dtypes, strict=True)]
+    for t in tensors:
+        dist.broadcast(t, src=0, group=group)
+    return tensors
 
 
 def _with_weights(model: CausalLM, weights: dict[str, torch.Tensor],
@@ -877,6 +866,136 @@ def _with_weights(model: CausalLM, weights: dict[str, torch.Tensor],
                                  f"{tuple(params[name].shape)}")
             params[name].copy_(t.to(torch.float32))
     return apply_precision(new, precision)
+
+
+control_routes = APIRouter(tags=["control"])
+
+
+@control_routes.post("/pause_generation")
+async def pause_generation(state: State, body: Annotated[_Pause, _body(_Pause)]):
+    count = await asyncio.wrap_future(state.core.pause(body.mode))
+    return {"success": True, "status": "ok",
+            "message": f"paused ({body.mode}); {count} running requests affected"}
+
+
+@control_routes.post("/continue_generation")
+async def continue_generation(state: State, body: Annotated[_Continue, _body(_Continue)]):
+    await asyncio.wrap_future(state.core.resume())  # torch_empty_cache: no CUDA cache here
+    return {"success": True, "status": "ok", "message": "generation continued"}
+
+
+@control_routes.post("/abort_request")
+async def abort_request(state: State, body: Annotated[_Abort, _body(_Abort)]):
+    if body.abort_all:
+        count = await asyncio.wrap_future(state.core.abort(None))
+    elif body.rid:
+        count = await asyncio.wrap_future(state.core.abort(body.rid))
+    else:  # SGLang's AbortReq defaults: nothing to abort
+        return {"success": True, "aborted": 0,
+                "message": "nothing aborted: pass rid or abort_all: true"}
+    return {"success": True, "aborted": count}
+
+
+@control_routes.get("/flush_cache")
+@control_routes.post("/flush_cache")
+async def flush_cache(body: Annotated[_FlushCache, _body(_FlushCache)]):  # types checked only
+    return {"success": True, "message": "no prefix cache to flush"}
+
+
+info_routes = APIRouter(tags=["info"])
+
+
+@info_routes.get("/health")
+async def health(state: State) -> Response:
+    if not state.core.alive:
+        return _error(503, "engine loop is not running")
+    return Response(status_code=200)
+
+
+@info_routes.get("/health_generate")
+async def health_generate(state: State) -> Response:
+    core = state.core
+    if not core.alive:
+        return _error(503, "engine loop is not running")
+    if core.paused is not None:
+        return Response(status_code=200)
+    seq = Sequence(rid=f"health-{uuid.uuid4().hex}", group_rid="health",
+                   prompt_ids=[core.config.bos_token_id],
+                   params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                   max_new_tokens=1, rng=SequenceRandom(0))
+    core.submit([seq])
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(seq.future), timeout=30.0)
+    except (TimeoutError, RuntimeError) as e:
+        return _error(503, f"generation health check failed: {e!r}")
+    return Response(status_code=200)
+
+
+@info_routes.get("/get_weight_version")
+async def get_weight_version(state: State):
+    return {"weight_version": state.core.weight_version}
+
+
+@info_routes.get("/model_info")
+@info_routes.get("/get_model_info")
+def model_info(state: State):
+    c, hf = state.core.config, state.core.config.to_hf_dict()
+    return {"model_path": state.model_path, "tokenizer_path": state.model_path,
+            "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": state.core.weight_version, "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": hf["model_type"],
+            "architectures": hf["architectures"], "vocab_size": c.vocab_size,
+            "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size,
+            "num_local_experts": c.num_experts, "num_experts_per_tok":
+                c.num_experts_per_tok if c.is_moe else None,
+            "max_position_embeddings": c.max_position_embeddings,
+            "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
+            "pad_token_id": c.pad_token_id, "dtype": state.cfg.dtype}
+
+
+@info_routes.get("/server_info")
+@info_routes.get("/get_server_info")
+def server_info(state: State):
+    cfg, core = state.cfg, state.core
+    return {"engine": "asyncrl-embedded", "version": _version(),
+            "model_path": state.model_path, "served_model_name": state.name,
+            "host": cfg.host, "port": cfg.port, "dtype": cfg.dtype,
+            "logit_noise": cfg.logit_noise, "random_seed": cfg.seed,
+            "max_running_requests": cfg.max_batch, "threads": cfg.threads,
+            "context_length": core.config.max_position_embeddings,
+            "max_total_num_tokens": cfg.max_batch * core.config.max_position_embeddings,
+            "weight_version": core.weight_version, "uptime_s": time.time() - state.started,
+            "internal_states": [core.state()]}
+
+
+@info_routes.get("/v1/models")
+async def list_models(state: State):
+    return {"object": "list", "data": [{
+        "id": state.name, "object": "model", "created": int(state.started),
+        "owned_by": "asyncrl", "root": state.model_path,
+        "max_model_len": state.core.config.max_position_embeddings}]}
+
+
+@info_routes.get("/get_load")
+async def get_load(state: State):
+    core = state.core
+    return [{"dp_rank": 0, "num_tokens": core.load_tokens(),
+             "num_reqs": core.state()["running"] + core.state()["waiting"]}]
+
+
+async def _body_error(request: Request, e: BodyError) -> JSONResponse:
+    extra = {"success": False} if request.url.path in _WEIGHT_PATHS else {}
+    return _error(400, str(e), **extra)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app over a started engine loop."""
+    app = FastAPI(title="asyncrl embedded rollout engine", version=_version())
+    app.state.server = state
+    app.add_exception_handler(BodyError, _body_error)
+    for router in (generation_routes, weight_routes, control_routes, info_routes):
+        app.include_router(router)
+    return app
 
 
 # ------------------------------------------------------------------------------------------------
@@ -963,7 +1082,7 @@ def serve(cfg: ServerConfig) -> None:
         state.core.stop()
         raise
     host, port = sock.getsockname()[:2]  # the real port when --port 0
-    state.cfg = replace(cfg, port=port)
+    state.cfg = cfg.model_copy(update={"port": port})
     shown = f"[{host}]" if ":" in host else host
 
     def announce() -> None:
@@ -984,25 +1103,6 @@ def serve(cfg: ServerConfig) -> None:
     finally:
         sock.close()
         state.core.stop()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="HF-format checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp8"])
-    parser.add_argument("--logit-noise", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--log-level", default="warning")
-    parser.add_argument("--weight-version", default=None,
-                        help="version label of the served weights, as SGLang's (default: the "
-                             "checkpoint's asyncrl.json version, else 'default')")
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="exit when this process is gone (a driver that started the server "
-                             "and was killed without stopping it)")
 
 
 def watch_parent(pid: int, interval_s: float = 1.0) -> None:
@@ -1026,17 +1126,28 @@ def watch_parent(pid: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="asyncrl embedded rollout server")
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (no usage block), as the CLI's other errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see --help\n")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Parse the options (``prog``: the command named in --help), validate them and serve; a bad
+    option, checkpoint or address is one line on stderr and exit code 1 (argparse's 2 for an
+    unknown option, a missing value or a value not among the choices)."""
+    parser = _Parser(prog=prog or "python -m training.engines.embedded.server",
+                     description="asyncrl embedded rollout server: SGLang's HTTP API over a CPU "
+                                 "engine loop",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
-    a = parser.parse_args(argv)
-    if a.parent_pid:
-        watch_parent(a.parent_pid)
+    options = vars(parser.parse_args(argv))
+    parent_pid = options.pop("parent_pid")
     try:
-        cfg = ServerConfig(checkpoint=a.checkpoint, host=a.host, port=a.port, dtype=a.dtype,
-                           logit_noise=a.logit_noise, seed=a.seed, max_batch=a.max_batch,
-                           threads=a.threads, served_model_name=a.served_model_name,
-                           log_level=a.log_level, weight_version=a.weight_version)
+        cfg = ServerConfig(**options)
+        if parent_pid:
+            watch_parent(parent_pid)
         serve(cfg)
     except (CheckpointError, ServerStartError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
