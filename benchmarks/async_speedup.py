@@ -79,7 +79,7 @@ def main() -> None:
         args.steps, args.prompts = 4, 4
     import ray
 
-    from training.runtime.ray_setup import init_ray
+    from training.ray_setup import init_ray
 
     init_ray(num_cpus=2)
     out = args.out or Path(tempfile.mkdtemp(prefix="asyncrl-speedup-"))

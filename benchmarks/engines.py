@@ -34,7 +34,7 @@ from training.engines.hf_io import read_meta
 from training.engines.mismatch import TABLE_ROWS, run_mismatch_check, task_from_meta
 from training.engines.rollout import GenerateRequest, SamplingParams
 from training.engines.train import TokenBatch
-from training.tasks.warmstart import WarmStartConfig, warm_start
+from training.engines.warmstart import WarmStartConfig, warm_start
 
 
 def checkpoints() -> dict[str, Path]:

@@ -98,7 +98,7 @@ def preflight(ray_address: str | None = None) -> str | None:
     if ray_address:  # the driver may sit on a CPU head node: count the cluster's GPUs
         import ray
 
-        from training.runtime.ray_setup import RayStartError, init_ray
+        from training.ray_setup import RayStartError, init_ray
 
         try:
             init_ray(ray_address)

@@ -92,7 +92,7 @@ def main() -> None:
     from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngine
 
     torch.set_num_threads(1)
-    from training.runtime.ray_setup import init_ray
+    from training.ray_setup import init_ray
 
     init_ray(num_cpus=2)  # loopback-only, reaped with this process
     layouts = {

@@ -591,8 +591,8 @@ class _Runner:
 def _start_ray() -> None:
     """One local Ray for the whole campaign (FACTS.md), loopback-only and reaped with this
     process, unless one is already up; the cluster named by ``$RAY_ADDRESS`` when set
-    (platform/prefect.yaml sets ``RAY_ADDRESS=auto``). See :mod:`training.runtime.ray_setup`."""
-    from training.runtime.ray_setup import RayStartError, init_ray
+    (platform/prefect.yaml sets ``RAY_ADDRESS=auto``). See :mod:`training.ray_setup`."""
+    from training.ray_setup import RayStartError, init_ray
     from training.runtime.run import RunError
 
     try:

@@ -60,3 +60,84 @@ def test_registry_uses_only_the_schema_side_of_training():
 
 def test_the_infrastructure_folder_is_not_a_package():
     assert not list((ROOT / "platform").rglob("__init__.py"))
+
+
+def _folder(module: str) -> str | None:
+    """The folder a module belongs to, two levels deep (``training.engines``, ``flows``), for
+    our packages only."""
+    parts = module.split(".")
+    if parts[0] not in PACKAGES:
+        return None
+    return ".".join(parts[:2]) if parts[0] == "training" and len(parts) > 1 else parts[0]
+
+
+def _folder_of(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("").parts
+    return _folder(".".join(rel)) or ""
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for p in _sources(package):
+            src = _folder_of(p)
+            for m in _imports(p):
+                dst = _folder(m)
+                # training/__init__-level modules (training.recipe, training.paths, …) are leaves
+                if dst and dst != src and not (dst.startswith("training.") and
+                                               (ROOT / (dst.replace(".", "/") + ".py")).is_file()):
+                    graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*path[path.index(m):], m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_cycles_between_folders():
+    """training's sub-packages (algorithms, engines, runtime, tasks), flows, registry and ui
+    import each other one way only (inside functions too): e.g. training.tasks (prompts and
+    rewards) never imports training.engines (the model), which uses the tasks."""
+    graph = _folder_graph()
+    assert "training.tasks" in graph.get("training.engines", set())  # the graph is real
+    assert _cycle(graph) is None, " → ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
+
+
+def _ui_module_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for p in _sources("ui"):
+        src = "ui." + p.stem
+        for m in _imports(p):
+            if m.startswith("ui.") and m != src:
+                graph.setdefault(src, set()).add(m)
+    return graph
+
+
+def test_no_cycles_between_cli_modules():
+    """ui's command modules share what they share through ui.common, never through each
+    other's private names in both directions."""
+    graph = _ui_module_graph()
+    assert _cycle(graph) is None, " → ".join(_cycle(graph) or [])

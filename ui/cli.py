@@ -189,7 +189,7 @@ def warmstart(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from training.tasks.warmstart import WarmStartConfig, warm_start
+    from training.engines.warmstart import WarmStartConfig, warm_start
 
     try:
         cfg = WarmStartConfig(task=task, task_args=task_args, steps=steps, seed=seed,

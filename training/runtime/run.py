@@ -98,7 +98,7 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
             raise RunError(f"algorithm.routing_replay={recipe.algorithm.routing_replay} needs an "
                            f"MoE model and model.path {path} is dense; set routing_replay: none")
         return path
-    from training.tasks.warmstart import WarmStartConfig, warm_start
+    from training.engines.warmstart import WarmStartConfig, warm_start
 
     m = recipe.model
     cfg = WarmStartConfig(task=recipe.task.name, task_args=tuple(sorted(recipe.task.args.items())),
@@ -221,8 +221,8 @@ class Runtime:
     # --- setup --------------------------------------------------------------------------------
     def _ray(self) -> Any:
         """Ray, started (loopback-only, reaped with this process) or joined on first use; a
-        cluster by --ray-address or $RAY_ADDRESS (:mod:`training.runtime.ray_setup`)."""
-        from training.runtime.ray_setup import RayStartError, init_ray
+        cluster by --ray-address or $RAY_ADDRESS (:mod:`training.ray_setup`)."""
+        from training.ray_setup import RayStartError, init_ray
 
         try:
             self._started_ray = init_ray(self.ray_address) or self._started_ray

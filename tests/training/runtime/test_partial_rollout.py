@@ -27,11 +27,11 @@ from training.engines.embedded.launch import EmbeddedServer
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.rollout import GenerateResult, RolloutEngineError
 from training.engines.train import OptimConfig, TokenBatch
+from training.engines.warmstart import WarmStartConfig, warm_start
 from training.recipe import recipe_from_dict
 from training.runtime.actors import SampleBuffer
 from training.runtime.learner import Learner
 from training.runtime.rollouter import Rollouter, _Response
-from training.tasks.warmstart import WarmStartConfig, warm_start
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A local Ray started by :func:`training.runtime.ray_setup.init_ray` listens on loopback only, and
+"""A local Ray started by :func:`training.ray_setup.init_ray` listens on loopback only, and
 everything a run starts dies with it, however it dies (issue 13, items 6 and 8).
 
 Each test drives a real run in a subprocess — real Ray (GCS, raylet, agents, the TrainerWorker,
@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from training.runtime.ray_setup import RayStartError, init_ray
+from training.ray_setup import RayStartError, init_ray
 
 REPO = Path(__file__).resolve().parents[3]
 GONE_WITHIN_S = 15.0  # measured ~2.3 s (SIGTERM, 2 s grace, SIGKILL); room for a busy machine
@@ -35,7 +35,7 @@ DRIVER = r"""
 import json, os, sys
 import ray
 from training.recipe import recipe_from_dict
-from training.runtime.ray_setup import init_ray
+from training.ray_setup import init_ray
 from training.runtime.run import run_recipe
 
 assert init_ray(num_cpus=2)

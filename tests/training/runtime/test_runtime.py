@@ -34,7 +34,7 @@ def ray_session(tmp_path_factory):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from training.runtime.ray_setup import init_ray
+    from training.ray_setup import init_ray
 
     init_ray(num_cpus=2)  # loopback-only, reaped with this process
     yield ray

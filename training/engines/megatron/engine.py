@@ -123,7 +123,7 @@ class _RayRanks:
     """One Ray actor per rank inside a placement group."""
 
     def __init__(self, settings: MegatronSettings, seed: int) -> None:
-        from training.runtime.ray_setup import init_ray
+        from training.ray_setup import init_ray
 
         init_ray()  # the run's Ray; else a local loopback-only one, or $RAY_ADDRESS's cluster
         import ray

@@ -185,7 +185,7 @@ def test_bf16_pipeline_parallel_on_two_ray_ranks(mg):
 
     started = not ray.is_initialized()
     if started:  # two CPUs = two rank bundles (as test_ray.py)
-        from training.runtime.ray_setup import init_ray
+        from training.ray_setup import init_ray
 
         init_ray(num_cpus=2)  # loopback-only, reaped with this process
     try:

@@ -37,11 +37,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from training.engines.evaluate import EvalResult, evaluate
 from training.engines.hf_io import check_hf_dir, load_hf_dir, read_meta, save_hf_dir
 from training.engines.model import CausalLM, ModelConfig
 from training.fileio import replace_dir
 from training.paths import cache_dir
-from training.tasks.evaluate import EvalResult, evaluate
 from training.tasks.registry import Task, get_task
 from training.tasks.tokenizer import CharTokenizer
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from training.engines.evaluate import evaluate, generate
 from training.engines.model import CausalLM, ModelConfig
-from training.tasks.evaluate import evaluate, generate
 from training.tasks.sum_digits import SumDigitsTask
 from training.tasks.tokenizer import CharTokenizer
 

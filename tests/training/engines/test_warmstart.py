@@ -7,9 +7,7 @@ import torch
 
 from training.engines.hf_io import load_hf_dir, read_state_dict
 from training.engines.model import CausalLM, ModelConfig
-from training.tasks.registry import get_task
-from training.tasks.tokenizer import CharTokenizer
-from training.tasks.warmstart import (
+from training.engines.warmstart import (
     IGNORE,
     WarmStartConfig,
     collate,
@@ -19,6 +17,8 @@ from training.tasks.warmstart import (
     upcycle_to_moe,
     warm_start,
 )
+from training.tasks.registry import get_task
+from training.tasks.tokenizer import CharTokenizer
 
 TINY = WarmStartConfig(task_args=(("max_k", 3),), hidden_size=32, num_layers=2, num_heads=2,
                        intermediate_size=64, max_position_embeddings=64, steps=3, batch_size=8,
