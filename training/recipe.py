@@ -1049,13 +1049,6 @@ def recipe_hash(recipe: Recipe) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-# Discriminated unions: the field holding one, its tag key and its tags. Pydantic puts the tag in
-# an error's location ("async.fully_async.x"); users write "async.x" (training.yamlfile).
-_UNIONS: UnionTags = {
-    "model": ("kind", ("warmstart", "checkpoint")),
-    "async": ("mode", ("sync", "one_step", "fully_async")),
-    "correction": ("kind", ("none", "compis", "preset", "decoupled", "decoupled_mis")),
-}
 _SCHEMA_HINT = "asyncrl schema recipe lists them"  # where an unknown field's message points
 
 
@@ -1066,7 +1059,8 @@ def recipe_from_dict(data: Mapping[str, Any], source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(dict(data))
     except ValidationError as err:
-        raise RecipeError(format_validation_error(err, source, _SCHEMA_HINT, _UNIONS)) from None
+        raise RecipeError(format_validation_error(err, source, _SCHEMA_HINT,
+                                                  error_unions())) from None
 
 
 def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
@@ -1153,6 +1147,15 @@ def variant_unions() -> dict[str, tuple[str, dict[str, frozenset[str]]]]:
 
     walk(Recipe, "")
     return out
+
+
+@functools.cache
+def error_unions() -> UnionTags:
+    """:func:`variant_unions` as error messages need them: the field holding a union (its last
+    path component; pydantic puts the tag in an error's location, ``async.fully_async.x``, and
+    users write ``async.x``) → (tag key, its tags)."""
+    return {path.rsplit(".", 1)[-1]: (tag, tuple(variants))
+            for path, (tag, variants) in variant_unions().items()}
 
 
 def _section(node: dict[str, Any], key: str, path: str) -> dict[str, Any]:

@@ -658,3 +658,16 @@ def test_moe_checks_apply_to_a_checkpoint_whose_experts_are_known():
         recipe_from_dict(recipe(0))
     r = recipe_from_dict(recipe(None))  # unknown here: the run reads config.json
     assert not r.is_moe and r.moe_experts is None
+
+
+def test_error_unions_come_from_the_schema():
+    """Error messages name a union's tag from the schema itself (no second, hand-kept table)."""
+    from training.recipe import error_unions
+
+    assert error_unions() == {
+        "model": ("kind", ("warmstart", "checkpoint")),
+        "async": ("mode", ("sync", "one_step", "fully_async")),
+        "correction": ("kind", ("none", "compis", "preset", "decoupled", "decoupled_mis")),
+    }
+    msg = _error({"name": "x", "async": {"mode": "fully_async", "bogus": 1}})
+    assert "async.bogus" in msg and "fully_async.bogus" not in msg
