@@ -71,8 +71,11 @@ import numbers
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from training.algorithms.decision_tree import (
     ENGINE_DIFF,
@@ -94,6 +97,7 @@ __all__ = [
     "GATES",
     "EntropyNoBlowupParams",
     "EvalTracksRewardParams",
+    "GateParams",
     "GateResult",
     "GradNormNoSpikeParams",
     "IsHealthParams",
@@ -112,6 +116,7 @@ __all__ = [
     "evaluate_gates",
     "gate_names",
     "gate_params",
+    "params_model",
     "summarize",
     "unmet_requirement",
 ]
@@ -180,21 +185,59 @@ def _finite_or_none(x: float | None) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Parameters. A field's metadata holds its bounds: lo/hi inclusive, lo_open for "> lo".
+# Parameters: one frozen pydantic model per gate, named by the gate function's ``p`` annotation
 # --------------------------------------------------------------------------------------------
 
 
-def _p(default: Any, *, lo: float | None = None, hi: float | None = None,
-       lo_open: bool = False) -> Any:
-    return field(default=default, metadata={"lo": lo, "hi": hi, "lo_open": lo_open})
+def _not_null(value: Any) -> Any:
+    if value is None:
+        raise ValueError("must not be null")
+    return value
 
 
-_REQUIRE_DATA_DOC = ("require_data: fail (instead of pass) when the run has too little data to "
-                     "judge. Default False.")
+def _finite(value: Any) -> float:
+    num = _number(_not_null(value))
+    if num is None:
+        raise ValueError(f"must be a finite number, got {value!r} ({type(value).__name__})")
+    return num
 
 
-@dataclass(frozen=True)
-class LogprobDiffFlatParams:
+def _finite_or_null(value: Any) -> float | None:
+    return None if value is None else _finite(value)
+
+
+def _whole(value: Any) -> int:
+    num = _finite(value)
+    if not num.is_integer():
+        raise ValueError(f"must be a whole number, got {value!r}")
+    return int(num)
+
+
+def _true_or_false(value: Any) -> bool:
+    if not isinstance(_not_null(value), bool):
+        raise ValueError(f"must be true or false, got {value!r} ({type(value).__name__})")
+    return value
+
+
+# Pydantic's lax mode would take "3", True or NaN for a number and 1 or "yes" for a bool. A gate
+# takes a number only from a finite real number (ints and numpy scalars too; 3.0 for an int,
+# never 3.5) and a bool only from true/false. Each validator's message is the clause
+# check_params puts after "parameter '<name>'".
+_Float = Annotated[float, BeforeValidator(_finite)]
+_OptFloat = Annotated[float | None, BeforeValidator(_finite_or_null)]
+_Int = Annotated[int, BeforeValidator(_whole)]
+_RequireData = Annotated[bool, BeforeValidator(_true_or_false), Field(description=(
+    "Fail (instead of pass) when the run has too little data to judge."))]
+
+
+class GateParams(BaseModel):
+    """A gate's parameters: one subclass per gate, frozen, unknown names refused. The gate
+    function registered with :func:`_gate` names its subclass in its ``p`` annotation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LogprobDiffFlatParams(GateParams):
     """``logprob_diff_flat``: seed 000's headline metric, the train–rollout |Δ log p|
     (``mismatch/train_rollout/logprob_abs_diff/mean``: the trainer at the weights it trains from
     vs the rollout engine, so staleness *and* engine mismatch), must not grow.
@@ -224,17 +267,25 @@ class LogprobDiffFlatParams:
     tail: 0.25, the fraction of points (≥ 1) whose mean is the level.
     """
 
-    max_slope: float = _p(0.0005, lo=0.0)
-    min_rise: float = _p(0.01, lo=0.0)
-    max_level: float = _p(0.05, lo=0.0, lo_open=True)
-    max_ratio: float = _p(1.5, lo=0.0, lo_open=True)
-    max_rise_ratio: float = _p(0.5, lo=0.0)
-    tail: float = _p(0.25, lo=0.0, hi=1.0, lo_open=True)
-    require_data: bool = _p(False)
+    max_slope: _Float = Field(0.0005, ge=0.0, description=(
+        "Without a reference: the largest least-squares slope of |Δlogp| per step (fails only "
+        "with a fitted rise above min_rise too)."))
+    min_rise: _Float = Field(0.01, ge=0.0, description=(
+        "Without a reference: the fitted rise over the run a slope above max_slope must also "
+        "exceed."))
+    max_level: _Float = Field(0.05, gt=0.0, description=(
+        "Without a reference: the largest level (mean of the last `tail` of the points)."))
+    max_ratio: _Float = Field(1.5, gt=0.0, description=(
+        "With a reference: the largest level, as a multiple of the reference's level."))
+    max_rise_ratio: _Float = Field(0.5, ge=0.0, description=(
+        "With a reference: how far the run's fitted rise may exceed the reference's, as a "
+        "multiple of the reference's level."))
+    tail: _Float = Field(0.25, gt=0.0, le=1.0, description=(
+        "Fraction of the points (at least one) whose mean is the level."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class EntropyNoBlowupParams:
+class EntropyNoBlowupParams(GateParams):
     """``entropy_no_blowup``: ``policy/entropy/mean`` must neither spike nor rise for good
     (seed 000: "a sudden upward spike" preceded every collapse, while mild drift either way is
     normal; its 64k failure was a blow-up that stayed up).
@@ -251,15 +302,19 @@ class EntropyNoBlowupParams:
     tail: 0.25 — first and last quarter.
     """
 
-    spike_factor: float = _p(2.0, lo=1.0, lo_open=True)
-    window: int = _p(5, lo=1)
-    sustained_factor: float = _p(1.5, lo=1.0, lo_open=True)
-    tail: float = _p(0.25, lo=0.0, hi=0.5, lo_open=True)
-    require_data: bool = _p(False)
+    spike_factor: _Float = Field(2.0, gt=1.0, description=(
+        "A step above this multiple of the median of the previous `window` points is a spike."))
+    window: _Int = Field(5, ge=1, description=(
+        "Points in the median a step is compared with."))
+    sustained_factor: _Float = Field(1.5, gt=1.0, description=(
+        "The last `tail` of the points above this multiple of the first `tail` (or of the "
+        "reference's level) is a sustained rise."))
+    tail: _Float = Field(0.25, gt=0.0, le=0.5, description=(
+        "Fraction of the points at each end compared for a sustained rise."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class RewardNotCollapsedParams:
+class RewardNotCollapsedParams(GateParams):
     """``reward_not_collapsed``: seed 001's collapse — the smoothed ``rollout/reward_mean`` ends
     ≥ ``drop`` below its peak (a drop that recovered before the end passes).
 
@@ -267,13 +322,14 @@ class RewardNotCollapsedParams:
     smooth: 3 — trailing mean over 3 points before the peak and drop are taken.
     """
 
-    drop: float = _p(0.3, lo=0.0, hi=1.0, lo_open=True)
-    smooth: int = _p(3, lo=1)
-    require_data: bool = _p(False)
+    drop: _Float = Field(0.3, gt=0.0, le=1.0, description=(
+        "Fraction below its peak at which the smoothed reward ending there has collapsed."))
+    smooth: _Int = Field(3, ge=1, description=(
+        "Points in the trailing mean taken before the peak and the drop."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class EvalTracksRewardParams:
+class EvalTracksRewardParams(GateParams):
     """``eval_tracks_reward``: no simplicity bias (seed 000: training reward up, eval down).
 
     Fails when the training reward rose by more than ``min_rise`` (mean of the last ``smooth``
@@ -286,14 +342,18 @@ class EvalTracksRewardParams:
     smooth: 3 points at each end of the training reward.
     """
 
-    min_rise: float = _p(0.0, lo=0.0)
-    max_eval_drop: float = _p(0.05, lo=0.0)
-    smooth: int = _p(3, lo=1)
-    require_data: bool = _p(False)
+    min_rise: _Float = Field(0.0, ge=0.0, description=(
+        "Training-reward rise (last vs first `smooth` points) above which a falling eval is "
+        "simplicity bias."))
+    max_eval_drop: _Float = Field(0.05, ge=0.0, description=(
+        "Largest fall of eval/reward_mean, first to last eval (or below the reference's eval), "
+        "in reward."))
+    smooth: _Int = Field(3, ge=1, description=(
+        "Points averaged at each end of the training reward."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class IsHealthParams:
+class IsHealthParams(GateParams):
     """``is_health``: the importance-sampling correction still works (seed 001 decision tree),
     judged per source — ``is/combined/*`` (the weight actually applied), ``is/engine/*`` (π_old/μ)
     and ``is/staleness/*`` (π_current/π_old), each logged whether or not it corrects anything —
@@ -312,15 +372,18 @@ class IsHealthParams:
     tail: 0.25.
     """
 
-    min_ess: float = _p(_DEFAULT_THRESHOLDS.ess_min, lo=0.0, hi=1.0)
-    max_mask_frac: float = _p(_DEFAULT_THRESHOLDS.rs_mask_high, lo=0.0, hi=1.0)
-    max_chi2_token: float = _p(_DEFAULT_THRESHOLDS.chi2_token_blowup, lo=0.0)
-    tail: float = _p(0.25, lo=0.0, hi=1.0, lo_open=True)
-    require_data: bool = _p(False)
+    min_ess: _Float = Field(_DEFAULT_THRESHOLDS.ess_min, ge=0.0, le=1.0, description=(
+        "Smallest mean ESS over the last `tail` of the points, per IS source."))
+    max_mask_frac: _Float = Field(_DEFAULT_THRESHOLDS.rs_mask_high, ge=0.0, le=1.0, description=(
+        "Largest mean mask fraction over the last `tail` of the points, per IS source."))
+    max_chi2_token: _Float = Field(_DEFAULT_THRESHOLDS.chi2_token_blowup, ge=0.0, description=(
+        "Largest mean χ²_token over the last `tail` of the points."))
+    tail: _Float = Field(0.25, gt=0.0, le=1.0, description=(
+        "Fraction of the points (at least one) averaged."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class IsWeightMeanBandParams:
+class IsWeightMeanBandParams(GateParams):
     """``is_weight_mean_band``: seed 000's Fix-2 trigger. The per-step mean of each source's raw
     IS ratio (``is/engine/ratio/mean``: π_old/μ; ``is/staleness/ratio/mean``: π_current/π_old)
     "should sit at 1.0"; at 64k the engine one showed frequent sharp downward spikes to ≈ 0.992,
@@ -341,13 +404,14 @@ class IsWeightMeanBandParams:
         "frequent enough to matter".
     """
 
-    delta: float = _p(0.005, lo=0.0, hi=1.0, lo_open=True)
-    max_steps: int = _p(1, lo=0)
-    require_data: bool = _p(False)
+    delta: _Float = Field(0.005, gt=0.0, le=1.0, description=(
+        "Half-width of the band [1 − delta, 1 + delta] each source's IS ratio mean must stay in."))
+    max_steps: _Int = Field(1, ge=0, description=(
+        "Steps outside the band allowed per source."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class PgClipfracParams:
+class PgClipfracParams(GateParams):
     """``pg_clipfrac``: seed 001 cause E (PPO clip saturation) — ``policy/pg_clipfrac`` above
     ``max_level`` *and* rising: the mean of the last ``tail`` fraction of points above the mean
     of the first ``tail`` fraction ("rising clip fraction across epochs signals excessive
@@ -358,13 +422,14 @@ class PgClipfracParams:
         such recipes this gate passes at ≈ 0.)
     """
 
-    max_level: float = _p(_DEFAULT_THRESHOLDS.pg_clipfrac_max, lo=0.0, hi=1.0)
-    tail: float = _p(0.25, lo=0.0, hi=0.5, lo_open=True)
-    require_data: bool = _p(False)
+    max_level: _Float = Field(_DEFAULT_THRESHOLDS.pg_clipfrac_max, ge=0.0, le=1.0, description=(
+        "Largest mean pg_clipfrac over the last `tail` of the points while it is rising."))
+    tail: _Float = Field(0.25, gt=0.0, le=0.5, description=(
+        "Fraction of the points at each end compared."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class RepetitionRateParams:
+class RepetitionRateParams(GateParams):
     """``repetition_rate``: seed 000's failure cascade "entropy blowup → repetition rate increase
     → test performance collapse". ``rollout/repetition_rate`` (the fraction of responses with a
     repeated 4-gram) over the last ``tail`` fraction of points must not exceed the reference's
@@ -378,14 +443,17 @@ class RepetitionRateParams:
     tail: 0.25.
     """
 
-    max_increase: float = _p(0.1, lo=0.0, hi=1.0)
-    max_level: float | None = _p(None, lo=0.0, hi=1.0)
-    tail: float = _p(0.25, lo=0.0, hi=0.5, lo_open=True)
-    require_data: bool = _p(False)
+    max_increase: _Float = Field(0.1, ge=0.0, le=1.0, description=(
+        "Largest rise of the repetition rate above the reference's level (else the run's first "
+        "`tail` of the points)."))
+    max_level: _OptFloat = Field(None, ge=0.0, le=1.0, description=(
+        "Absolute ceiling on the repetition rate; null for none."))
+    tail: _Float = Field(0.25, gt=0.0, le=0.5, description=(
+        "Fraction of the points at each end compared."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class ZeroVarianceGroupsParams:
+class ZeroVarianceGroupsParams(GateParams):
     """``zero_variance_groups``: seed 000 stage 3 — "roughly 60 out of 128" groups (47 %) had
     all-zero rewards, so "GRPO produces zero advantage and the prompt contributes nothing to the
     gradient. That's a lot of wasted rollout compute." ``rollout/zero_variance_group_frac``
@@ -400,14 +468,17 @@ class ZeroVarianceGroupsParams:
     tail: 0.25.
     """
 
-    max_frac: float = _p(0.45, lo=0.0, hi=1.0)
-    max_increase: float = _p(0.1, lo=0.0, hi=1.0)
-    tail: float = _p(0.25, lo=0.0, hi=1.0, lo_open=True)
-    require_data: bool = _p(False)
+    max_frac: _Float = Field(0.45, ge=0.0, le=1.0, description=(
+        "Without a reference: the largest zero-variance group fraction over the last `tail` of "
+        "the points."))
+    max_increase: _Float = Field(0.1, ge=0.0, le=1.0, description=(
+        "With a reference: the largest rise above the reference's level."))
+    tail: _Float = Field(0.25, gt=0.0, le=1.0, description=(
+        "Fraction of the points (at least one) averaged."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class NoLengthSurgeParams:
+class NoLengthSurgeParams(GateParams):
     """``no_length_surge``: seed 001 cause F — the smoothed ``rollout/response_length/mean`` must
     not rise by more than ``max_rise`` over its minimum within the preceding ``window`` steps
     (a run shorter than ``window`` is one window).
@@ -418,14 +489,18 @@ class NoLengthSurgeParams:
         reproduces seed 001's raw ``len / len_100_steps_ago`` rule.
     """
 
-    max_rise: float = _p(0.2, lo=0.0, lo_open=True)  # Thresholds.length_surge_ratio − 1
-    window: int = _p(_DEFAULT_THRESHOLDS.length_window_steps, lo=1)
-    smooth: int = _p(3, lo=1)
-    require_data: bool = _p(False)
+    # Thresholds.length_surge_ratio − 1
+    max_rise: _Float = Field(0.2, gt=0.0, description=(
+        "Largest relative rise of the smoothed response length over its minimum within `window` "
+        "steps."))
+    window: _Int = Field(_DEFAULT_THRESHOLDS.length_window_steps, ge=1, description=(
+        "Steps back the minimum is taken over."))
+    smooth: _Int = Field(3, ge=1, description=(
+        "Points in the trailing mean of the response length."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class RolloutLogprobNotDecreasingParams:
+class RolloutLogprobNotDecreasingParams(GateParams):
     """``rollout_logprob_not_decreasing``: seed 000 — in failed runs the mean log-prob of the
     policy's own samples kept falling; in stable runs it slowly rose. Fails when the least-squares
     slope of ``rollout/logprob_mean`` is below −``max_decline`` *and* the fitted fall over the run
@@ -435,13 +510,15 @@ class RolloutLogprobNotDecreasingParams:
     min_drop: 0.05 nats/token over the run (per-step noise of a small batch is ≈ 0.05).
     """
 
-    max_decline: float = _p(0.001, lo=0.0)
-    min_drop: float = _p(0.05, lo=0.0)
-    require_data: bool = _p(False)
+    max_decline: _Float = Field(0.001, ge=0.0, description=(
+        "Largest fall per step of the least-squares slope of rollout/logprob_mean (fails only "
+        "with a fitted fall above min_drop too)."))
+    min_drop: _Float = Field(0.05, ge=0.0, description=(
+        "Fitted fall over the run a slope below −max_decline must also exceed."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class GradNormNoSpikeParams:
+class GradNormNoSpikeParams(GateParams):
     """``grad_norm_no_spike``: seed 001's second collapse signature — ``policy/grad_norm`` above
     ``factor`` × the median of the previous ``window`` points, followed by reward degradation:
     the mean reward over the ``after`` steps after the spike is below the mean over the steps
@@ -454,14 +531,17 @@ class GradNormNoSpikeParams:
     after: 5 steps.
     """
 
-    factor: float = _p(10.0, lo=1.0, lo_open=True)
-    window: int = _p(5, lo=1)
-    after: int = _p(5, lo=1)
-    require_data: bool = _p(False)
+    factor: _Float = Field(10.0, gt=1.0, description=(
+        "A grad norm above this multiple of the median of the previous `window` points is a "
+        "spike."))
+    window: _Int = Field(5, ge=1, description=(
+        "Points in the median (zeros left out); also the steps of reward before a spike."))
+    after: _Int = Field(5, ge=1, description=(
+        "Steps of reward after a spike compared with the reward before it."))
+    require_data: _RequireData = False
 
 
-@dataclass(frozen=True)
-class StalenessWithinBoundParams:
+class StalenessWithinBoundParams(GateParams):
     """``staleness_within_bound``: the largest ``async/staleness/max`` (policy versions between
     the weights that sampled a token and the weights trained on it) ≤ the bound; and, when drops
     are configured (``async.max_off_policy_steps``, seen as ``context["max_off_policy_steps"]``
@@ -481,9 +561,11 @@ class StalenessWithinBoundParams:
         discards rollout compute the same way.
     """
 
-    max_staleness: float | None = _p(None, lo=0.0)
-    max_dropped_frac: float = _p(_DEFAULT_THRESHOLDS.rs_mask_high, lo=0.0, hi=1.0)
-    require_data: bool = _p(False)
+    max_staleness: _OptFloat = Field(None, ge=0.0, description=(
+        "Bound on async/staleness/max; null takes the run's own bound from the context."))
+    max_dropped_frac: _Float = Field(_DEFAULT_THRESHOLDS.rs_mask_high, ge=0.0, le=1.0, description=(
+        "With drops configured: the largest cumulative fraction of samples dropped as too stale."))
+    require_data: _RequireData = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -622,26 +704,38 @@ def _steps(window: tuple[int, int]) -> str:
 # Registry plumbing
 # --------------------------------------------------------------------------------------------
 
-#: A gate: (run, params dataclass, reference summary or None, context) → GateResult.
+#: A gate: (run, its GateParams model, reference summary or None, context) → GateResult.
 GateFn = Callable[..., GateResult]
 
 GATES: Registry[GateFn] = Registry("stability gate")
-_PARAM_TYPES: dict[str, type] = {}
 
 
-def _gate(name: str, params_type: type) -> Callable[[GateFn], GateFn]:
+@cache
+def _params_of(fn: GateFn) -> type[GateParams]:
+    """The model a gate function's ``p`` argument is annotated with."""
+    model = get_type_hints(fn).get("p")
+    assert isinstance(model, type) and issubclass(model, GateParams), (
+        f"gate function {fn.__qualname__} must annotate its argument p with its GateParams "
+        f"subclass, got {model!r}")
+    return model
+
+
+def _gate(name: str) -> Callable[[GateFn], GateFn]:
+    """Register a gate function under ``name``. Its parameters model is its ``p`` annotation,
+    the one place the name → model link is declared (checked here, at import)."""
+
     def decorator(fn: GateFn) -> GateFn:
-        GATES.register(name)(fn)
-        _PARAM_TYPES[name] = params_type
-        return fn
+        _params_of(fn)
+        return GATES.register(name)(fn)
 
     return decorator
 
 
-def _result(name: str, p: Any, passed: bool, value: float | None, threshold: float | None,
-            window: tuple[int, int] | None, evidence: str) -> GateResult:
+def _result(name: str, p: GateParams, passed: bool, value: float | None,
+            threshold: float | None, window: tuple[int, int] | None,
+            evidence: str) -> GateResult:
     return GateResult(name=name, passed=passed, value=value, threshold=threshold,
-                      window=window, evidence=evidence, params=asdict(p))
+                      window=window, evidence=evidence, params=p.model_dump())
 
 
 def _not_enough(name: str, p: Any, n: int, what: str, need: int) -> GateResult:
@@ -656,51 +750,63 @@ def gate_names() -> list[str]:
     return GATES.names()
 
 
+def params_model(name: str) -> type[GateParams]:
+    """Gate ``name``'s parameters model (a ``KeyError`` listing the valid gates if unknown)."""
+    return _params_of(GATES.get(name))
+
+
 def gate_params(name: str) -> dict[str, Any]:
-    """A gate's parameters with their defaults (the params dataclass documents each)."""
-    GATES.get(name)
-    return asdict(_PARAM_TYPES[name]())
+    """A gate's parameters with their defaults (its params model documents each)."""
+    return params_model(name)().model_dump()
 
 
-def _type_name(annotation: Any) -> str:
-    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+_BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+_BOUND_SIGNS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}
 
 
-def _check_value(gate: str, key: str, value: Any, annotation: Any, meta: Mapping[str, Any],
-                 default: Any) -> Any:
-    tname = _type_name(annotation)
-    optional = "None" in tname
-    fix = f"set {key} to a valid value or leave it out (default {default!r})"
-    if value is None:
-        if optional:
-            return None
-        raise ValueError(f"gate {gate!r}: parameter {key!r} must not be null; {fix}")
-    if tname.startswith("bool"):
-        if not isinstance(value, bool):
-            raise ValueError(f"gate {gate!r}: parameter {key!r} must be true or false, got "
-                             f"{value!r} ({type(value).__name__}); {fix}")
-        return value
-    num = _number(value)
-    if num is None:
-        raise ValueError(f"gate {gate!r}: parameter {key!r} must be a finite number, got "
-                         f"{value!r} ({type(value).__name__}); {fix}")
-    if tname.startswith("int"):
-        if not num.is_integer():
-            raise ValueError(f"gate {gate!r}: parameter {key!r} must be a whole number, got "
-                             f"{value!r}; {fix}")
-        num = int(num)
-    lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open", False)
-    too_low = lo is not None and (num <= lo if lo_open else num < lo)
-    too_high = hi is not None and num > hi
-    if too_low or too_high:
-        bounds = []
-        if lo is not None:
-            bounds.append(f"{'>' if lo_open else '≥'} {lo:g}")
-        if hi is not None:
-            bounds.append(f"≤ {hi:g}")
-        raise ValueError(f"gate {gate!r}: parameter {key!r} must be {' and '.join(bounds)}, "
-                         f"got {value!r}; {fix}")
-    return num
+def _bounds(model: type[GateParams], key: str) -> str:
+    """A field's bounds as a person reads them: ``"> 0 and ≤ 1"``."""
+    return " and ".join(f"{sign} {getattr(m, attr):g}" for m in model.model_fields[key].metadata
+                        for attr, sign in _BOUND_SIGNS.items() if hasattr(m, attr))
+
+
+def _problem(gate: str, model: type[GateParams], given: Mapping[Any, Any],
+             error: Mapping[str, Any]) -> str:
+    """One pydantic error on one parameter as a sentence naming the gate, the parameter and the
+    fix (the valid names for an unknown one; the bounds and the default for a bad value)."""
+    key = error["loc"][0]
+    names = list(model.model_fields)
+    if key not in model.model_fields:  # extra_forbidden, or invalid_key for a non-string key
+        close = difflib.get_close_matches(str(key), names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return (f"gate {gate!r} has no parameter {key!r}; {hint}valid parameters: "
+                f"{', '.join(names)}. Fix: remove {key!r} or rename it to one of those "
+                "(a gate's reference stage is the spec's relative_to, not a parameter).")
+    if error["type"] == "value_error":  # the field type's own validator: the clause is its text
+        clause = str(error["ctx"]["error"])
+    elif error["type"] in _BOUND_ERRORS:
+        clause = f"must be {_bounds(model, key)}, got {given[key]!r}"
+    else:
+        clause = f"is invalid ({error['msg']}), got {given[key]!r}"
+    default = model.model_fields[key].default
+    return (f"gate {gate!r}: parameter {key!r} {clause}; set {key} to a valid value or leave "
+            f"it out (default {default!r})")
+
+
+def _validated(name: str, params: Mapping[str, Any] | None) -> GateParams:
+    """``params`` as gate ``name``'s model, defaults filled in; errors as :func:`check_params`.
+    The first bad parameter (in the order given) is the message; any others are named after it."""
+    model = params_model(name)
+    given = dict(params or {})
+    try:
+        return model.model_validate(given)
+    except ValidationError as err:
+        order = {key: i for i, key in enumerate(given)}
+        errors = sorted(err.errors(), key=lambda e: order.get(e["loc"][0], len(order)))
+        first = errors[0]["loc"][0]
+        others = [k for k in dict.fromkeys(e["loc"][0] for e in errors) if k != first]
+        more = f" (+{len(others)} more: {', '.join(map(repr, others))})" if others else ""
+        raise ValueError(_problem(name, model, given, errors[0]) + more) from None
 
 
 def check_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
@@ -709,22 +815,9 @@ def check_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         KeyError: unknown gate (the message lists the valid gates).
         ValueError: unknown parameter (with its valid names and the closest match) or a value of
-            the wrong type or out of bounds (with the bounds and the default).
+            the wrong type or out of bounds (with the bounds and the default), one line.
     """
-    GATES.get(name)
-    specs = {f.name: f for f in fields(_PARAM_TYPES[name])}
-    out = gate_params(name)
-    for key, value in dict(params or {}).items():
-        if key not in specs:
-            close = difflib.get_close_matches(str(key), list(specs), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(
-                f"gate {name!r} has no parameter {key!r}; {hint}valid parameters: "
-                f"{', '.join(specs)}. Fix: remove {key!r} or rename it to one of those "
-                "(a gate's reference stage is the spec's relative_to, not a parameter).")
-        spec = specs[key]
-        out[key] = _check_value(name, key, value, spec.type, spec.metadata, spec.default)
-    return out
+    return _validated(name, params).model_dump()
 
 
 def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
@@ -740,7 +833,7 @@ def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
         reference: :func:`summarize` of the reference run, or None for absolute thresholds.
         context: run facts the metrics lack, e.g. ``{"max_staleness": 1}``.
     """
-    return _evaluate(name, _Run(history), params, reference, context)
+    return _evaluate(name, _Run(history), _validated(name, params), reference, context)
 
 
 def evaluate_gates(specs: Sequence[tuple[str, Mapping[str, Any]]],
@@ -749,17 +842,14 @@ def evaluate_gates(specs: Sequence[tuple[str, Mapping[str, Any]]],
                    context: Mapping[str, Any] | None = None) -> list[GateResult]:
     """Run several ``(name, params)`` gates on one history; every spec is validated before any
     gate runs, so a typo fails the whole call instead of a half-written report."""
-    checked = [(name, check_params(name, params or {})) for name, params in specs]
+    checked = [(name, _validated(name, params)) for name, params in specs]
     run = _Run(history)
-    return [_evaluate(name, run, params, reference, context) for name, params in checked]
+    return [_evaluate(name, run, p, reference, context) for name, p in checked]
 
 
-def _evaluate(name: str, run: _Run, params: Mapping[str, Any] | None,
-              reference: Mapping[str, float] | None,
+def _evaluate(name: str, run: _Run, p: GateParams, reference: Mapping[str, float] | None,
               context: Mapping[str, Any] | None) -> GateResult:
-    fn = GATES.get(name)
-    p = _PARAM_TYPES[name](**check_params(name, params or {}))
-    return fn(run, p, reference, context or {})
+    return GATES.get(name)(run, p, reference, context or {})
 
 
 def _ref_value(reference: Mapping[str, float] | None, key: str) -> float | None:
@@ -771,7 +861,7 @@ def _ref_value(reference: Mapping[str, float] | None, key: str) -> float | None:
 # --------------------------------------------------------------------------------------------
 
 
-@_gate("logprob_diff_flat", LogprobDiffFlatParams)
+@_gate("logprob_diff_flat")
 def _logprob_diff_flat(run: _Run, p: LogprobDiffFlatParams,
                        reference: Mapping[str, float] | None,
                        context: Mapping[str, Any]) -> GateResult:
@@ -838,7 +928,7 @@ def _quarters(pts: Sequence[Point], frac: float) -> tuple[list[Point], list[Poin
     return list(pts[:k]), list(pts[-k:])
 
 
-@_gate("entropy_no_blowup", EntropyNoBlowupParams)
+@_gate("entropy_no_blowup")
 def _entropy_no_blowup(run: _Run, p: EntropyNoBlowupParams,
                        reference: Mapping[str, float] | None,
                        context: Mapping[str, Any]) -> GateResult:
@@ -891,7 +981,7 @@ def _entropy_no_blowup(run: _Run, p: EntropyNoBlowupParams,
                    whole, evidence)
 
 
-@_gate("reward_not_collapsed", RewardNotCollapsedParams)
+@_gate("reward_not_collapsed")
 def _reward_not_collapsed(run: _Run, p: RewardNotCollapsedParams,
                           reference: Mapping[str, float] | None,
                           context: Mapping[str, Any]) -> GateResult:
@@ -950,7 +1040,7 @@ def _difficulty_note(run: _Run) -> str:
     return f"; the largest fall by difficulty is {worst[1]}: {_g(worst[2])} → {_g(worst[3])}"
 
 
-@_gate("eval_tracks_reward", EvalTracksRewardParams)
+@_gate("eval_tracks_reward")
 def _eval_tracks_reward(run: _Run, p: EvalTracksRewardParams,
                         reference: Mapping[str, float] | None,
                         context: Mapping[str, Any]) -> GateResult:
@@ -1012,7 +1102,7 @@ _CHI2_KEYS = ("mismatch/train_rollout/chi2_token", "mismatch/engine/chi2_token",
               "rollout_corr/chi2_token")
 
 
-@_gate("is_health", IsHealthParams)
+@_gate("is_health")
 def _is_health(run: _Run, p: IsHealthParams, reference: Mapping[str, float] | None,
                context: Mapping[str, Any]) -> GateResult:
     name = "is_health"
@@ -1056,7 +1146,7 @@ def _is_health(run: _Run, p: IsHealthParams, reference: Mapping[str, float] | No
     return _result(name, p, not failed, value, limit, window, evidence)
 
 
-@_gate("is_weight_mean_band", IsWeightMeanBandParams)
+@_gate("is_weight_mean_band")
 def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
                          reference: Mapping[str, float] | None,
                          context: Mapping[str, Any]) -> GateResult:
@@ -1094,7 +1184,7 @@ def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
                    f"{verdict}: " + "; ".join(parts) + ".")
 
 
-@_gate("pg_clipfrac", PgClipfracParams)
+@_gate("pg_clipfrac")
 def _pg_clipfrac(run: _Run, p: PgClipfracParams, reference: Mapping[str, float] | None,
                  context: Mapping[str, Any]) -> GateResult:
     name = "pg_clipfrac"
@@ -1113,7 +1203,7 @@ def _pg_clipfrac(run: _Run, p: PgClipfracParams, reference: Mapping[str, float] 
     return _result(name, p, not saturated, level, p.max_level, _span(tail), evidence)
 
 
-@_gate("repetition_rate", RepetitionRateParams)
+@_gate("repetition_rate")
 def _repetition_rate(run: _Run, p: RepetitionRateParams, reference: Mapping[str, float] | None,
                      context: Mapping[str, Any]) -> GateResult:
     name = "repetition_rate"
@@ -1139,7 +1229,7 @@ def _repetition_rate(run: _Run, p: RepetitionRateParams, reference: Mapping[str,
                    f"{verdict}: " + ", ".join(clauses) + ".")
 
 
-@_gate("zero_variance_groups", ZeroVarianceGroupsParams)
+@_gate("zero_variance_groups")
 def _zero_variance_groups(run: _Run, p: ZeroVarianceGroupsParams,
                           reference: Mapping[str, float] | None,
                           context: Mapping[str, Any]) -> GateResult:
@@ -1163,7 +1253,7 @@ def _zero_variance_groups(run: _Run, p: ZeroVarianceGroupsParams,
     return _result(name, p, not wasted, level, limit, _span(tail), evidence)
 
 
-@_gate("no_length_surge", NoLengthSurgeParams)
+@_gate("no_length_surge")
 def _no_length_surge(run: _Run, p: NoLengthSurgeParams,
                      reference: Mapping[str, float] | None,
                      context: Mapping[str, Any]) -> GateResult:
@@ -1202,7 +1292,7 @@ def _no_length_surge(run: _Run, p: NoLengthSurgeParams,
     return _result(name, p, not surged, rise, p.max_rise, (s[i][0], s[j][0]), evidence)
 
 
-@_gate("rollout_logprob_not_decreasing", RolloutLogprobNotDecreasingParams)
+@_gate("rollout_logprob_not_decreasing")
 def _rollout_logprob_not_decreasing(run: _Run, p: RolloutLogprobNotDecreasingParams,
                                     reference: Mapping[str, float] | None,
                                     context: Mapping[str, Any]) -> GateResult:
@@ -1224,7 +1314,7 @@ def _rollout_logprob_not_decreasing(run: _Run, p: RolloutLogprobNotDecreasingPar
     return _result(name, p, not declining, slope, -p.max_decline, whole, evidence)
 
 
-@_gate("grad_norm_no_spike", GradNormNoSpikeParams)
+@_gate("grad_norm_no_spike")
 def _grad_norm_no_spike(run: _Run, p: GradNormNoSpikeParams,
                         reference: Mapping[str, float] | None,
                         context: Mapping[str, Any]) -> GateResult:
@@ -1291,7 +1381,7 @@ def _grad_norm_no_spike(run: _Run, p: GradNormNoSpikeParams,
     return _result(name, p, True, ratio, p.factor, whole, evidence)
 
 
-@_gate("staleness_within_bound", StalenessWithinBoundParams)
+@_gate("staleness_within_bound")
 def _staleness_within_bound(run: _Run, p: StalenessWithinBoundParams,
                             reference: Mapping[str, float] | None,
                             context: Mapping[str, Any]) -> GateResult:
@@ -1504,7 +1594,7 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     findings = [finding(f.cause, f.title, [str(e) for e in f.evidence], f.fix)
                 for f in d.findings]
     unseparated_ev = [str(e) for e in d.unseparated]
-    lp = _evaluate("logprob_diff_flat", run, None, None, None)
+    lp = _evaluate("logprob_diff_flat", run, params_model("logprob_diff_flat")(), None, None)
     if not lp.passed:
         source = _attribute_logprob_failure(run, d)
         if source == "unseparated":
@@ -1523,7 +1613,8 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
         unseparated["engine_exact"] = d.engine_exact
     judged = [n for n in gate_names() if n not in _NEEDS_REFERENCE]
     skipped = [{"name": n, "why": why} for n, why in _NEEDS_REFERENCE.items()]
-    failed = [r for r in (_evaluate(n, run, None, None, None) for n in judged) if not r.passed]
+    failed = [r for r in (_evaluate(n, run, params_model(n)(), None, None) for n in judged)
+              if not r.passed]
     causes = [f["cause"] for f in findings]
     parts = []
     if causes:

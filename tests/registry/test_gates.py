@@ -3,10 +3,13 @@
 import json
 import math
 
+import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from registry.gates import (
     GATES,
+    GateParams,
     GateResult,
     check_params,
     diagnosis_for,
@@ -14,6 +17,7 @@ from registry.gates import (
     evaluate_gates,
     gate_names,
     gate_params,
+    params_model,
     summarize,
     unmet_requirement,
 )
@@ -691,6 +695,121 @@ def test_documented_defaults():
     assert gate_params("no_length_surge")["window"] == 100
     assert gate_params("grad_norm_no_spike") == {"factor": 10.0, "window": 5, "after": 5,
                                                  "require_data": False}
+
+
+# Written out by hand from the params models' docstrings: a changed default fails here.
+DEFAULTS = {
+    "entropy_no_blowup": {"spike_factor": 2.0, "window": 5, "sustained_factor": 1.5,
+                          "tail": 0.25, "require_data": False},
+    "eval_tracks_reward": {"min_rise": 0.0, "max_eval_drop": 0.05, "smooth": 3,
+                           "require_data": False},
+    "grad_norm_no_spike": {"factor": 10.0, "window": 5, "after": 5, "require_data": False},
+    "is_health": {"min_ess": 0.5, "max_mask_frac": 0.25, "max_chi2_token": 1.0, "tail": 0.25,
+                  "require_data": False},
+    "is_weight_mean_band": {"delta": 0.005, "max_steps": 1, "require_data": False},
+    "logprob_diff_flat": {"max_slope": 0.0005, "min_rise": 0.01, "max_level": 0.05,
+                          "max_ratio": 1.5, "max_rise_ratio": 0.5, "tail": 0.25,
+                          "require_data": False},
+    "no_length_surge": {"max_rise": 0.2, "window": 100, "smooth": 3, "require_data": False},
+    "pg_clipfrac": {"max_level": 0.2, "tail": 0.25, "require_data": False},
+    "repetition_rate": {"max_increase": 0.1, "max_level": None, "tail": 0.25,
+                        "require_data": False},
+    "reward_not_collapsed": {"drop": 0.3, "smooth": 3, "require_data": False},
+    "rollout_logprob_not_decreasing": {"max_decline": 0.001, "min_drop": 0.05,
+                                       "require_data": False},
+    "staleness_within_bound": {"max_staleness": None, "max_dropped_frac": 0.25,
+                               "require_data": False},
+    "zero_variance_groups": {"max_frac": 0.45, "max_increase": 0.1, "tail": 0.25,
+                             "require_data": False},
+}
+
+
+@pytest.mark.parametrize("name", ALL_GATES)
+def test_defaults_are_unchanged_in_value_type_and_order(name):
+    params = gate_params(name)
+    assert params == DEFAULTS[name]
+    assert list(params) == list(DEFAULTS[name])  # the order reports and error messages use
+    assert [type(v) for v in params.values()] == [type(v) for v in DEFAULTS[name].values()]
+    # a gate's result carries the parameters it ran with, defaults filled in
+    assert evaluate_gate(name, []).params == DEFAULTS[name]
+
+
+def test_every_gate_has_its_own_params_model_and_every_model_a_gate():
+    models = [params_model(name) for name in gate_names()]
+    assert len(set(models)) == len(models) == len(ALL_GATES)
+    assert set(models) == set(GateParams.__subclasses__())
+    for name, model in zip(gate_names(), models, strict=True):
+        assert model.__doc__.startswith(f"``{name}``: "), model.__name__
+        assert model.model_config["frozen"] and model.model_config["extra"] == "forbid"
+        assert all(f.description for f in model.model_fields.values()), model.__name__
+    with pytest.raises(ValidationError):  # frozen: a gate cannot change its own parameters
+        params_model("is_health")().tail = 0.5
+
+
+@pytest.mark.parametrize(("name", "params", "problem"), [
+    ("logprob_diff_flat", {"tail": math.nan},
+     "parameter 'tail' must be a finite number, got nan (float); set tail to a valid value or "
+     "leave it out (default 0.25)"),
+    ("staleness_within_bound", {"max_staleness": math.inf},
+     "parameter 'max_staleness' must be a finite number, got inf (float); set max_staleness to "
+     "a valid value or leave it out (default None)"),
+    ("is_health", {"min_ess": True},
+     "parameter 'min_ess' must be a finite number, got True (bool); set min_ess to a valid "
+     "value or leave it out (default 0.5)"),
+    ("pg_clipfrac", {"max_level": "0.2"},
+     "parameter 'max_level' must be a finite number, got '0.2' (str); set max_level to a valid "
+     "value or leave it out (default 0.2)"),
+    ("no_length_surge", {"window": "100"},
+     "parameter 'window' must be a finite number, got '100' (str); set window to a valid value "
+     "or leave it out (default 100)"),
+    ("zero_variance_groups", {"max_frac": 1.01},
+     "parameter 'max_frac' must be ≥ 0 and ≤ 1, got 1.01; set max_frac to a valid value or "
+     "leave it out (default 0.45)"),
+    ("grad_norm_no_spike", {"factor": 1},
+     "parameter 'factor' must be > 1, got 1; set factor to a valid value or leave it out "
+     "(default 10.0)"),
+    ("repetition_rate", {"max_level": -0.1},
+     "parameter 'max_level' must be ≥ 0 and ≤ 1, got -0.1; set max_level to a valid value or "
+     "leave it out (default None)"),
+    ("grad_norm_no_spike", {"after": 3.5},
+     "parameter 'after' must be a whole number, got 3.5; set after to a valid value or leave "
+     "it out (default 5)"),
+    ("is_weight_mean_band", {"require_data": 1},
+     "parameter 'require_data' must be true or false, got 1 (int); set require_data to a "
+     "valid value or leave it out (default False)"),
+    ("reward_not_collapsed", {"smooth": None},
+     "parameter 'smooth' must not be null; set smooth to a valid value or leave it out "
+     "(default 3)"),
+])
+def test_bad_values_are_refused_in_one_line_naming_gate_and_parameter(name, params, problem):
+    expected = f"gate {name!r}: {problem}"
+    with pytest.raises(ValueError) as err:
+        check_params(name, params)
+    assert str(err.value) == expected
+    with pytest.raises(ValueError) as err:
+        evaluate_gate(name, [], params)
+    assert str(err.value) == expected
+
+
+def test_numbers_are_taken_from_any_finite_real_and_nulls_only_where_allowed():
+    # an int for a float, a whole float for an int, numpy scalars (metrics arrive as them)
+    out = check_params("grad_norm_no_spike", {"factor": 12, "window": np.int64(7),
+                                              "after": 2.0, "require_data": True})
+    assert out == {"factor": 12.0, "window": 7, "after": 2, "require_data": True}
+    assert [type(v) for v in out.values()] == [float, int, int, bool]
+    assert check_params("is_health", {"tail": np.float32(0.5)})["tail"] == 0.5
+    assert check_params("repetition_rate", {"max_level": None})["max_level"] is None
+    assert check_params("zero_variance_groups", {"max_frac": 0, "tail": 1})["tail"] == 1.0
+
+
+def test_several_bad_params_report_the_first_given_and_name_the_others():
+    with pytest.raises(ValueError) as err:
+        check_params("entropy_no_blowup", {"tail": 0.9, "window": 0, "bogus": 1})
+    msg = str(err.value)
+    assert msg.startswith("gate 'entropy_no_blowup': parameter 'tail' must be > 0 and ≤ 0.5, "
+                          "got 0.9; ")
+    assert msg.endswith(" (+2 more: 'window', 'bogus')")
+    assert "\n" not in msg
 
 
 def test_evaluate_gates_validates_everything_first_and_keeps_order():
