@@ -94,6 +94,11 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
             cfg = read_model_config(path)
         except CheckpointError as e:
             raise RunError(f"model.path: {e}") from None
+        declared = recipe.model.moe_experts
+        if declared is not None and declared != cfg.num_experts:
+            raise RunError(f"model.moe_experts is {declared} but model.path {path} has "
+                           f"{cfg.num_experts} experts (config.json num_experts); set "
+                           f"moe_experts: {cfg.num_experts} or leave it out")
         if recipe.algorithm.routing_replay != "none" and not cfg.is_moe:
             raise RunError(f"algorithm.routing_replay={recipe.algorithm.routing_replay} needs an "
                            f"MoE model and model.path {path} is dense; set routing_replay: none")
@@ -265,8 +270,10 @@ class Runtime:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_state = self._load_resume_state() if self.resume else None
         if resume_state is None:
-            atomic_write_text(self.run_dir / "recipe.yaml", self.recipe.to_yaml())
+            # the starting weights first: a recipe whose checkpoint is refused leaves no
+            # recipe.yaml behind (which would make the directory look like a run to resume)
             self.init_dir = initial_checkpoint(self.recipe)
+            atomic_write_text(self.run_dir / "recipe.yaml", self.recipe.to_yaml())
             engine_dir = self.init_dir
             trainer_resume = None
         else:

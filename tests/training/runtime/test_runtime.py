@@ -217,6 +217,23 @@ def test_routing_replay_on_a_dense_checkpoint_is_a_one_line_error(tmp_path):
                               f"{dense} is dense; set routing_replay: none")
 
 
+def test_a_checkpoints_declared_experts_must_match_its_config(tmp_path):
+    """model.moe_experts (written from the origin recipe by a campaign) is checked against the
+    checkpoint's config.json before anything starts."""
+    from training.runtime.run import initial_checkpoint
+
+    dense = initial_checkpoint(tiny("sync", 1))
+    recipe = recipe_from_dict({"model": {"kind": "checkpoint", "path": str(dense),
+                                         "moe_experts": 4}})
+    with pytest.raises(RunError) as err:
+        run_recipe(recipe, out=tmp_path / "run")
+    assert str(err.value) == (f"model.moe_experts is 4 but model.path {dense} has 0 experts "
+                              "(config.json num_experts); set moe_experts: 0 or leave it out")
+    assert not (tmp_path / "run" / "recipe.yaml").exists()
+    ok = recipe_from_dict({"model": {"kind": "checkpoint", "path": str(dense), "moe_experts": 0}})
+    assert initial_checkpoint(ok) == dense
+
+
 def test_moe_fully_async_with_rollout_routing_replay(ray_session, tmp_path):
     recipe = tiny("fully_async", 3,
                   model={"moe_experts": 4, "moe_top_k": 2},
