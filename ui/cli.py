@@ -405,7 +405,6 @@ def train(
     """Train one recipe: warm start (cached), rollout engines, trainer, metrics, checkpoints.
     Writes the run directory (recipe.yaml, metrics.jsonl, checkpoint/, final/hf/, summary.json)
     and prints a summary. Ctrl-C stops at the current step; --resume continues it."""
-    import time
 
     from training.recipe import RecipeError, load_recipe
 
@@ -423,12 +422,9 @@ def train(
     elif out is not None:
         run_dir = out
     else:
-        from training.paths import state_dir
+        from training.runtime.run import default_run_dir
 
-        # the name matches training.recipe's name pattern, so the directory stays under runs/;
-        # a campaign candidate's "<campaign>/<stage>/<candidate>" becomes one flat directory
-        name = recipe.name.replace("/", "-")
-        run_dir = state_dir() / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = default_run_dir(recipe)
     if resume is None:
         _check_writable(run_dir)
         if (run_dir / "recipe.yaml").exists():

@@ -53,7 +53,8 @@ from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
 from training.runtime.types import Group
 from training.runtime.weight_sync import ParameterSync, SyncError, parameter_sync
 
-__all__ = ["RunError", "RunResult", "Runtime", "initial_checkpoint", "run_recipe", "split_stale"]
+__all__ = ["RunError", "RunResult", "Runtime", "default_run_dir", "initial_checkpoint",
+           "run_recipe", "split_stale", "start_ray"]
 
 log = logging.getLogger("asyncrl.runtime")
 
@@ -111,6 +112,29 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
                           num_layers=m.num_layers, moe_experts=m.moe_experts,
                           moe_top_k=m.moe_top_k)
     return warm_start(cfg, None, progress=progress).path
+
+
+def start_ray(address: str | None = None) -> bool:
+    """Ray for runs and campaigns: a local one, loopback-only and reaped with this process,
+    unless this process is connected already; the cluster at ``address`` (--ray-address) or
+    ``$RAY_ADDRESS`` when given (:mod:`training.ray_setup`). Returns True when this call
+    connected (the caller shuts it down); a failure is a one-line :class:`RunError`."""
+    from training.ray_setup import RayStartError, init_ray
+
+    try:
+        return init_ray(address)
+    except RayStartError as e:
+        raise RunError(str(e)) from None
+
+
+def default_run_dir(recipe: Recipe) -> Path:
+    """Where a run goes without ``--out``: ``$ASYNCRL_HOME/runs/<recipe name>-<local time>``
+    (a campaign candidate's ``<campaign>/<stage>/<candidate>`` name becomes one flat
+    directory)."""
+    from training.paths import state_dir
+
+    name = recipe.name.replace("/", "-")
+    return state_dir() / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def check_train_backend(recipe: Recipe) -> None:
@@ -225,14 +249,8 @@ class Runtime:
 
     # --- setup --------------------------------------------------------------------------------
     def _ray(self) -> Any:
-        """Ray, started (loopback-only, reaped with this process) or joined on first use; a
-        cluster by --ray-address or $RAY_ADDRESS (:mod:`training.ray_setup`)."""
-        from training.ray_setup import RayStartError, init_ray
-
-        try:
-            self._started_ray = init_ray(self.ray_address) or self._started_ray
-        except RayStartError as e:
-            raise RunError(str(e)) from None
+        """Ray, started or joined on first use (:func:`start_ray`)."""
+        self._started_ray = start_ray(self.ray_address) or self._started_ray
         import ray
 
         return ray
@@ -654,8 +672,7 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
     elif out is not None:
         run_dir = Path(out)
     else:
-        from training.paths import state_dir
-        run_dir = state_dir() / "runs" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = default_run_dir(recipe)
     if steps is not None and steps < 1:
         raise RunError(f"--steps must be >= 1, got {steps}")
     if checkpoint_every < 0:
