@@ -57,7 +57,7 @@ from training.engines.rollout import (
 )
 from training.recipe import Recipe
 from training.runtime.pipeline import Dispatcher, StalenessController
-from training.runtime.types import Group, Sample
+from training.runtime.types import Group, RolloutState, Sample
 from training.tasks.registry import Example, Task, get_task, stable_hash
 from training.tasks.tokenizer import CharTokenizer
 
@@ -160,7 +160,7 @@ class Rollouter:
     """
 
     def __init__(self, recipe: Recipe, urls: list[str], buffer: Any,
-                 start: dict[str, Any] | None = None, version: int = 0,
+                 start: RolloutState | None = None, version: int = 0,
                  control_urls: list[str] | None = None) -> None:
         import torch
         torch.set_num_threads(1)
@@ -191,12 +191,12 @@ class Rollouter:
         self.version = int(version)
         self.next_group_id = 0
         self._regen: list[int] = []
-        if start:
-            self.next_group_id = int(start["next_group_id"])
-            self._regen = sorted(int(g) for g in start.get("regenerate", []))
-            self.policy_step = int(start.get("policy_step", 0))
-            self.controller.load_state_dict(start["controller"])
-            self.dispatcher.load_state_dict(start["dispatcher"])
+        if start is not None:
+            self.next_group_id = start.next_group_id
+            self._regen = list(start.regenerate)
+            self.policy_step = start.policy_step
+            self.controller.load_state_dict(start.controller)
+            self.dispatcher.load_state_dict(start.dispatcher)
         self.client: RolloutClient | None = None  # generation (through the router, if any)
         self.control: RolloutClient | None = None  # weights, pause, continue (the engines)
         self._groups: dict[int, _Pending] = {}
@@ -577,14 +577,14 @@ class Rollouter:
         """The first unexpected failure inside the actor, if any (the driver stops the run)."""
         return self._error
 
-    async def state(self) -> dict[str, Any]:
+    async def state(self) -> RolloutState:
         """Resume state: the next group id, the groups still being generated (to regenerate),
         the policy step, controller and dispatcher state."""
-        return {"next_group_id": self.next_group_id,
-                "regenerate": sorted(set(self._groups) | set(self._regen)),
-                "policy_step": self.policy_step,
-                "controller": self.controller.state_dict(),
-                "dispatcher": self.dispatcher.state_dict()}
+        return RolloutState(next_group_id=self.next_group_id,
+                            regenerate=sorted(set(self._groups) | set(self._regen)),
+                            policy_step=self.policy_step,
+                            controller=self.controller.state_dict(),
+                            dispatcher=self.dispatcher.state_dict())
 
     async def ping(self) -> bool:
         return True

@@ -50,7 +50,7 @@ from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_ha
 from training.runtime.backends import BackendError, RolloutBackend, rollout_backend
 from training.runtime.pipeline import staleness_metrics, step_of_version
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
-from training.runtime.types import Group
+from training.runtime.types import Group, RolloutState, RunState
 from training.runtime.weight_sync import ParameterSync, SyncError, parameter_sync
 
 __all__ = ["RunError", "RunResult", "Runtime", "default_run_dir", "initial_checkpoint",
@@ -262,7 +262,7 @@ class Runtime:
         except BackendError as e:
             raise RunError(str(e)) from None
 
-    def _load_resume_state(self) -> dict[str, Any]:
+    def _load_resume_state(self) -> RunState:
         ckpt = self.run_dir / CHECKPOINT_DIR
         if recover_dir(ckpt):  # killed between the two renames of the last checkpoint's swap
             log.warning("restored %s from the copy a killed checkpoint swap left", ckpt)
@@ -271,12 +271,14 @@ class Runtime:
             raise RunError(f"{self.run_dir} has no checkpoint ({state_path} is missing); resume "
                            "needs a run directory written by asyncrl train with a checkpoint")
         try:
-            state = json.loads(state_path.read_text())
+            state = RunState.from_json(json.loads(state_path.read_text()))
         except json.JSONDecodeError as e:
             raise RunError(f"{state_path} is corrupt ({e.msg}); resume from another run "
                            "directory or start afresh") from None
-        want = _identity(self.recipe)
-        if state.get("recipe_identity") != want:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RunError(f"{state_path} is not a run state ({type(e).__name__}: {e}); resume "
+                           "from another run directory or start afresh") from None
+        if state.recipe_identity != _identity(self.recipe):
             raise RunError(f"the recipe differs from the one {self.run_dir} was started with; "
                            f"resume with the run's own recipe ({self.run_dir / 'recipe.yaml'})")
         return state
@@ -295,7 +297,7 @@ class Runtime:
             engine_dir = self.init_dir
             trainer_resume = None
         else:
-            self.init_dir = Path(resume_state["init_dir"])
+            self.init_dir = Path(resume_state.init_dir)
             engine_dir = self.run_dir / CHECKPOINT_DIR / "hf"
             trainer_resume = str(self.run_dir / CHECKPOINT_DIR / "trainer")
             self._restore_counters(resume_state)
@@ -376,7 +378,7 @@ class Runtime:
         return lambda: signal.signal(signal.SIGINT, previous)
 
     def _create_actors(self, ray: Any, urls: list[str], trainer_resume: str | None,
-                       resume_state: dict[str, Any] | None, version0: int) -> None:
+                       resume_state: RunState | None, version0: int) -> None:
         from training.runtime.actors import SampleBuffer, TrainerWorker
         from training.runtime.rollouter import Rollouter
 
@@ -388,9 +390,9 @@ class Runtime:
             r, str(self.init_dir), trainer_resume, total_opt)
         start = None
         if resume_state is not None:
-            start = resume_state["rollouter"]
+            start = resume_state.rollouter
             groups = _read_buffer_file(self.run_dir / CHECKPOINT_DIR / BUFFER_FILE)
-            ids = [g["group_id"] for g in groups] + list(start["regenerate"])
+            ids = [g["group_id"] for g in groups] + list(start.regenerate)
             ray.get(self.buffer.restore.remote(groups, ids))
         self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
             r, urls, self.buffer, start, version0, control_urls=self.backend.control_urls)
@@ -528,12 +530,12 @@ class Runtime:
     def _checkpoint(self, ray: Any) -> None:
         """Trainer state + the weights the engines serve + pipeline state + buffered groups,
         written to a temporary directory and moved into place (all or nothing)."""
-        rstate = ray.get(self.rollouter.state.remote())
+        rstate: RolloutState = ray.get(self.rollouter.state.remote())
         snap = ray.get(self.buffer.snapshot.remote())
-        nxt = int(rstate["next_group_id"])
+        nxt = rstate.next_group_id
         groups = [g for g in snap["groups"] if g["group_id"] < nxt]  # newer ones: regenerated
         buffered = {g["group_id"] for g in groups}
-        rstate["regenerate"] = sorted(set(rstate["regenerate"]) - buffered)
+        rstate.regenerate = sorted(set(rstate.regenerate) - buffered)
         final = self.run_dir / CHECKPOINT_DIR
         tmp = self.run_dir / f".{CHECKPOINT_DIR}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -543,22 +545,22 @@ class Runtime:
         with (tmp / BUFFER_FILE).open("w") as f:
             for g in groups:
                 f.write(json.dumps(g) + "\n")
-        state = {"step": self.step, "step_start_versions": self.step_start_versions,
-                 "synced_versions": self.weights.synced_versions,
-                 "consumed_samples": self.consumed_samples, "counters": self.counters,
-                 "rollouter": rstate, "init_dir": str(self.init_dir),
-                 "recipe_identity": _identity(self.recipe), "recipe_hash": recipe_hash(
-                     self.recipe), "total_steps": self.total_steps}
-        (tmp / RUNTIME_STATE).write_text(json.dumps(state))
+        state = RunState(step=self.step, step_start_versions=list(self.step_start_versions),
+                         synced_versions=list(self.weights.synced_versions),
+                         consumed_samples=self.consumed_samples, counters=dict(self.counters),
+                         rollouter=rstate, init_dir=str(self.init_dir),
+                         recipe_identity=_identity(self.recipe),
+                         recipe_hash=recipe_hash(self.recipe), total_steps=self.total_steps)
+        (tmp / RUNTIME_STATE).write_text(json.dumps(state.to_json()))
         move_into_place(tmp, final)
         self.weights.checkpointed(ray, final / "hf", self.step_start_versions[-1])
 
-    def _restore_counters(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.step_start_versions = [int(v) for v in state["step_start_versions"]]
-        self._synced_before = [int(v) for v in state.get("synced_versions", [])]
-        self.consumed_samples = int(state["consumed_samples"])
-        self.counters.update({k: float(v) for k, v in state["counters"].items()})
+    def _restore_counters(self, state: RunState) -> None:
+        self.step = state.step
+        self.step_start_versions = list(state.step_start_versions)
+        self._synced_before = list(state.synced_versions)
+        self.consumed_samples = state.consumed_samples
+        self.counters.update(state.counters)
 
     def _shutdown(self) -> None:
         """Stop the actors, the engine processes (by PID) and Ray if this run started it."""

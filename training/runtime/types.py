@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Group", "Sample"]
+__all__ = ["Group", "RolloutState", "RunState", "Sample"]
 
 
 @dataclass
@@ -155,3 +155,79 @@ class Group:
         d = dict(d)
         d["samples"] = [Sample.from_json(s) for s in d["samples"]]
         return cls(**d)
+
+
+@dataclass
+class RolloutState:
+    """The rollouter's resume state (``Rollouter.state``; ``rollouter`` in ``runtime.json``).
+
+    next_group_id: the id the next submitted group gets.
+    regenerate: groups submitted but not complete at the checkpoint, generated again on resume
+        (same prompts, same ids).
+    policy_step: the trainer step the staleness controller counts from (seed 004's i).
+    controller / dispatcher: ``state_dict()`` of the staleness controller and the dispatcher
+        (:mod:`training.runtime.pipeline`).
+    """
+
+    next_group_id: int
+    regenerate: list[int]
+    policy_step: int
+    controller: dict[str, Any]
+    dispatcher: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RolloutState:
+        """Read :meth:`to_json` (``regenerate`` and ``policy_step`` may be missing: written
+        before they existed)."""
+        return cls(next_group_id=int(data["next_group_id"]),
+                   regenerate=sorted(int(g) for g in data.get("regenerate", [])),
+                   policy_step=int(data.get("policy_step", 0)),
+                   controller=dict(data["controller"]), dispatcher=dict(data["dispatcher"]))
+
+
+@dataclass
+class RunState:
+    """A run's resume state at a checkpoint (``checkpoint/runtime.json``).
+
+    step: trainer steps done; total_steps: the run's length when written.
+    step_start_versions: the weight version each trainer step started from (the version clock,
+        :func:`training.runtime.pipeline.step_of_version`).
+    synced_versions: versions the engines were given (the trainer keeps snapshots of those that
+        buffered samples may carry).
+    consumed_samples: samples taken from the buffer (the staleness controller's count).
+    counters: the run's ``run/*`` counters.
+    rollouter: :class:`RolloutState`.
+    init_dir: the HF directory the run started from (the warm start or the given checkpoint).
+    recipe_identity: the recipe's hash without ``steps`` (a resume must match it);
+        recipe_hash: its full hash.
+    """
+
+    step: int
+    step_start_versions: list[int]
+    synced_versions: list[int]
+    consumed_samples: int
+    counters: dict[str, float]
+    rollouter: RolloutState
+    init_dir: str
+    recipe_identity: str
+    recipe_hash: str
+    total_steps: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rollouter": self.rollouter.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunState:
+        """Read :meth:`to_json`; KeyError/TypeError/ValueError on a file that is not one."""
+        return cls(step=int(data["step"]),
+                   step_start_versions=[int(v) for v in data["step_start_versions"]],
+                   synced_versions=[int(v) for v in data.get("synced_versions", [])],
+                   consumed_samples=int(data["consumed_samples"]),
+                   counters={str(k): float(v) for k, v in data["counters"].items()},
+                   rollouter=RolloutState.from_json(data["rollouter"]),
+                   init_dir=str(data["init_dir"]), recipe_identity=str(data["recipe_identity"]),
+                   recipe_hash=str(data.get("recipe_hash", "")),
+                   total_steps=int(data.get("total_steps", data["step"])))

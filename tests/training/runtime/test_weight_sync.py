@@ -83,3 +83,42 @@ def test_embedded_backend_without_servers(tmp_path, monkeypatch):
     assert backend.log_dir() == Path(tmp_path) / "logs"
     assert not backend.alive(None)
     backend.stop(None)  # nothing started: nothing to stop
+
+
+def test_run_state_round_trips_and_reads_older_files():
+    from training.runtime.types import RolloutState, RunState
+
+    state = RunState(step=4, step_start_versions=[0, 1, 2, 3], synced_versions=[0, 2],
+                     consumed_samples=64, counters={"trained_samples": 60.0},
+                     rollouter=RolloutState(next_group_id=20, regenerate=[17, 19],
+                                            policy_step=4, controller={"a": 1},
+                                            dispatcher={"b": [2]}),
+                     init_dir="/w", recipe_identity="i", recipe_hash="h", total_steps=8)
+    import json
+
+    data = json.loads(json.dumps(state.to_json()))
+    assert data["rollouter"]["regenerate"] == [17, 19]
+    assert RunState.from_json(data) == state
+    # a runtime.json from before synced_versions, policy_step, regenerate and total_steps
+    for key in ("synced_versions", "recipe_hash", "total_steps"):
+        data.pop(key)
+    for key in ("regenerate", "policy_step"):
+        data["rollouter"].pop(key)
+    old = RunState.from_json(data)
+    assert (old.synced_versions, old.total_steps, old.rollouter.regenerate,
+            old.rollouter.policy_step) == ([], 4, [], 0)
+    with pytest.raises(KeyError):
+        RunState.from_json({"step": 1})
+
+
+def test_a_corrupt_run_state_is_one_line(tmp_path):
+    from training.runtime.run import RunError, run_recipe
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "runtime.json").write_text('{"step": 2}')
+    with pytest.raises(RunError) as err:
+        run_recipe(recipe_from_dict({"name": "t"}), resume=run_dir)
+    assert str(err.value) == (f"{run_dir / 'checkpoint' / 'runtime.json'} is not a run state "
+                              "(KeyError: 'step_start_versions'); resume from another run "
+                              "directory or start afresh")
