@@ -97,6 +97,7 @@ __all__ = [
     "GATES",
     "EntropyNoBlowupParams",
     "EvalTracksRewardParams",
+    "GateContext",
     "GateParams",
     "GateResult",
     "GradNormNoSpikeParams",
@@ -226,8 +227,48 @@ def _true_or_false(value: Any) -> bool:
 _Float = Annotated[float, BeforeValidator(_finite)]
 _OptFloat = Annotated[float | None, BeforeValidator(_finite_or_null)]
 _Int = Annotated[int, BeforeValidator(_whole)]
+_OptInt = Annotated[int | None, BeforeValidator(lambda v: None if v is None else _whole(v))]
 _RequireData = Annotated[bool, BeforeValidator(_true_or_false), Field(description=(
     "Fail (instead of pass) when the run has too little data to judge."))]
+
+
+class GateContext(BaseModel):
+    """Run facts the metrics do not carry, given to every gate (and recorded in the gate report,
+    so ``asyncrl gates RUN`` re-judges with them). :meth:`of` reads them from the recipe.
+
+    mode: the recipe's ``async.mode`` (information: no gate branches on it).
+    max_staleness: the staleness bound the mode implies (``Recipe.async_.staleness_bound``: 0
+        sync, 1 one_step, ``max_off_policy_steps`` or none for fully_async).
+    max_off_policy_steps: set when too-stale samples are dropped (``staleness_within_bound``
+        then judges the dropped fraction: the bound holds by construction).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: str | None = None
+    max_staleness: _OptInt = Field(None, ge=0)
+    max_off_policy_steps: _OptInt = Field(None, ge=0)
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> GateContext:
+        a = recipe.async_
+        return cls(mode=a.mode, max_staleness=a.staleness_bound,
+                   max_off_policy_steps=a.max_off_policy_steps)
+
+    @classmethod
+    def read(cls, data: GateContext | Mapping[str, Any] | None) -> GateContext:
+        """A context as given (a recorded report's plain data included); ValueError (one line)
+        for one that is not."""
+        if isinstance(data, GateContext):
+            return data
+        try:
+            return cls.model_validate(dict(data or {}))
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ValueError(f"gate context {where}: {err['msg'].lower()} (got "
+                             f"{err.get('input')!r}); the runtime passes max_staleness 0 (sync), "
+                             "1 (one_step) or max_off_policy_steps") from None
 
 
 class GateParams(BaseModel):
@@ -544,7 +585,7 @@ class GradNormNoSpikeParams(GateParams):
 class StalenessWithinBoundParams(GateParams):
     """``staleness_within_bound``: the largest ``async/staleness/max`` (policy versions between
     the weights that sampled a token and the weights trained on it) ≤ the bound; and, when drops
-    are configured (``async.max_off_policy_steps``, seen as ``context["max_off_policy_steps"]``
+    are configured (``async.max_off_policy_steps``, seen as ``context.max_off_policy_steps``
     or the ``async/dropped_stale_frac`` metric the runtime logs then), the cumulative fraction of
     samples dropped as too stale ≤ ``max_dropped_frac``. With drops configured the bound check
     alone is tautological — the runtime drops every sample beyond it — so the dropped fraction is
@@ -552,7 +593,7 @@ class StalenessWithinBoundParams(GateParams):
     the peak is checked against it as well (a tighter bound than the runtime's is a real check),
     and the gate fails on either.
 
-    max_staleness: None — the bound comes from ``context["max_staleness"]`` (the runtime's: 0
+    max_staleness: None — the bound comes from ``context.max_staleness`` (the runtime's: 0
         sync, 1 one-step, ``max_off_policy_steps`` fully async); a number here overrides it,
         and is checked even with drops configured. With neither, the bound check passes with
         "no bound configured".
@@ -704,7 +745,7 @@ def _steps(window: tuple[int, int]) -> str:
 # Registry plumbing
 # --------------------------------------------------------------------------------------------
 
-#: A gate: (run, its GateParams model, reference summary or None, context) → GateResult.
+#: A gate: (run, its GateParams model, reference summary or None, GateContext) → GateResult.
 GateFn = Callable[..., GateResult]
 
 GATES: Registry[GateFn] = Registry("stability gate")
@@ -823,7 +864,7 @@ def check_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
 def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
                   params: Mapping[str, Any] | None = None, *,
                   reference: Mapping[str, float] | None = None,
-                  context: Mapping[str, Any] | None = None) -> GateResult:
+                  context: GateContext | Mapping[str, Any] | None = None) -> GateResult:
     """Run one gate on a metric history (records as ``read_metrics`` returns them).
 
     Args:
@@ -831,7 +872,8 @@ def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
         history: per-step dicts with ``"step"`` and metric keys (values float or None).
         params: overrides of the gate's defaults (validated by :func:`check_params`).
         reference: :func:`summarize` of the reference run, or None for absolute thresholds.
-        context: run facts the metrics lack, e.g. ``{"max_staleness": 1}``.
+        context: run facts the metrics lack (:class:`GateContext`, or its plain data, e.g.
+            ``{"max_staleness": 1}``).
     """
     return _evaluate(name, _Run(history), _validated(name, params), reference, context)
 
@@ -839,7 +881,8 @@ def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
 def evaluate_gates(specs: Sequence[tuple[str, Mapping[str, Any]]],
                    history: Sequence[Mapping[str, Any]], *,
                    reference: Mapping[str, float] | None = None,
-                   context: Mapping[str, Any] | None = None) -> list[GateResult]:
+                   context: GateContext | Mapping[str, Any] | None = None
+                   ) -> list[GateResult]:
     """Run several ``(name, params)`` gates on one history; every spec is validated before any
     gate runs, so a typo fails the whole call instead of a half-written report."""
     checked = [(name, _validated(name, params)) for name, params in specs]
@@ -848,8 +891,8 @@ def evaluate_gates(specs: Sequence[tuple[str, Mapping[str, Any]]],
 
 
 def _evaluate(name: str, run: _Run, p: GateParams, reference: Mapping[str, float] | None,
-              context: Mapping[str, Any] | None) -> GateResult:
-    return GATES.get(name)(run, p, reference, context or {})
+              context: GateContext | Mapping[str, Any] | None) -> GateResult:
+    return GATES.get(name)(run, p, reference, GateContext.read(context))
 
 
 def _ref_value(reference: Mapping[str, float] | None, key: str) -> float | None:
@@ -864,7 +907,7 @@ def _ref_value(reference: Mapping[str, float] | None, key: str) -> float | None:
 @_gate("logprob_diff_flat")
 def _logprob_diff_flat(run: _Run, p: LogprobDiffFlatParams,
                        reference: Mapping[str, float] | None,
-                       context: Mapping[str, Any]) -> GateResult:
+                       context: GateContext) -> GateResult:
     name = "logprob_diff_flat"
     pts = run.series(LOGPROB_DIFF)
     if len(pts) < 3:
@@ -931,7 +974,7 @@ def _quarters(pts: Sequence[Point], frac: float) -> tuple[list[Point], list[Poin
 @_gate("entropy_no_blowup")
 def _entropy_no_blowup(run: _Run, p: EntropyNoBlowupParams,
                        reference: Mapping[str, float] | None,
-                       context: Mapping[str, Any]) -> GateResult:
+                       context: GateContext) -> GateResult:
     name = "entropy_no_blowup"
     pts = run.series(ENTROPY)
     if len(pts) < p.window + 1:
@@ -984,7 +1027,7 @@ def _entropy_no_blowup(run: _Run, p: EntropyNoBlowupParams,
 @_gate("reward_not_collapsed")
 def _reward_not_collapsed(run: _Run, p: RewardNotCollapsedParams,
                           reference: Mapping[str, float] | None,
-                          context: Mapping[str, Any]) -> GateResult:
+                          context: GateContext) -> GateResult:
     name = "reward_not_collapsed"
     pts = run.series(REWARD)
     if len(pts) < p.smooth + 1:
@@ -1043,7 +1086,7 @@ def _difficulty_note(run: _Run) -> str:
 @_gate("eval_tracks_reward")
 def _eval_tracks_reward(run: _Run, p: EvalTracksRewardParams,
                         reference: Mapping[str, float] | None,
-                        context: Mapping[str, Any]) -> GateResult:
+                        context: GateContext) -> GateResult:
     name = "eval_tracks_reward"
     ev = run.series(EVAL_REWARD)
     if not ev:
@@ -1104,7 +1147,7 @@ _CHI2_KEYS = ("mismatch/train_rollout/chi2_token", "mismatch/engine/chi2_token",
 
 @_gate("is_health")
 def _is_health(run: _Run, p: IsHealthParams, reference: Mapping[str, float] | None,
-               context: Mapping[str, Any]) -> GateResult:
+               context: GateContext) -> GateResult:
     name = "is_health"
     # (source, key, label, limit, at least (≥) or at most (≤))
     wanted: list[tuple[str, str, str, float, bool]] = []
@@ -1149,7 +1192,7 @@ def _is_health(run: _Run, p: IsHealthParams, reference: Mapping[str, float] | No
 @_gate("is_weight_mean_band")
 def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
                          reference: Mapping[str, float] | None,
-                         context: Mapping[str, Any]) -> GateResult:
+                         context: GateContext) -> GateResult:
     name = "is_weight_mean_band"
     lo, hi = 1.0 - p.delta, 1.0 + p.delta
     found = []  # source, key, points, points outside the band
@@ -1186,7 +1229,7 @@ def _is_weight_mean_band(run: _Run, p: IsWeightMeanBandParams,
 
 @_gate("pg_clipfrac")
 def _pg_clipfrac(run: _Run, p: PgClipfracParams, reference: Mapping[str, float] | None,
-                 context: Mapping[str, Any]) -> GateResult:
+                 context: GateContext) -> GateResult:
     name = "pg_clipfrac"
     key, pts = run.first_series(METRIC_ALIASES["pg_clipfrac"])
     if len(pts) < 2:
@@ -1205,7 +1248,7 @@ def _pg_clipfrac(run: _Run, p: PgClipfracParams, reference: Mapping[str, float] 
 
 @_gate("repetition_rate")
 def _repetition_rate(run: _Run, p: RepetitionRateParams, reference: Mapping[str, float] | None,
-                     context: Mapping[str, Any]) -> GateResult:
+                     context: GateContext) -> GateResult:
     name = "repetition_rate"
     pts = run.series(REPETITION)
     ref = _ref_value(reference, REPETITION)
@@ -1232,7 +1275,7 @@ def _repetition_rate(run: _Run, p: RepetitionRateParams, reference: Mapping[str,
 @_gate("zero_variance_groups")
 def _zero_variance_groups(run: _Run, p: ZeroVarianceGroupsParams,
                           reference: Mapping[str, float] | None,
-                          context: Mapping[str, Any]) -> GateResult:
+                          context: GateContext) -> GateResult:
     name = "zero_variance_groups"
     pts = run.series(ZERO_VARIANCE)
     if not pts:
@@ -1256,7 +1299,7 @@ def _zero_variance_groups(run: _Run, p: ZeroVarianceGroupsParams,
 @_gate("no_length_surge")
 def _no_length_surge(run: _Run, p: NoLengthSurgeParams,
                      reference: Mapping[str, float] | None,
-                     context: Mapping[str, Any]) -> GateResult:
+                     context: GateContext) -> GateResult:
     name = "no_length_surge"
     pts = run.series(RESPONSE_LENGTH)
     if len(pts) < p.smooth + 1:
@@ -1295,7 +1338,7 @@ def _no_length_surge(run: _Run, p: NoLengthSurgeParams,
 @_gate("rollout_logprob_not_decreasing")
 def _rollout_logprob_not_decreasing(run: _Run, p: RolloutLogprobNotDecreasingParams,
                                     reference: Mapping[str, float] | None,
-                                    context: Mapping[str, Any]) -> GateResult:
+                                    context: GateContext) -> GateResult:
     name = "rollout_logprob_not_decreasing"
     pts = run.series(ROLLOUT_LOGPROB)
     if len(pts) < 3:
@@ -1317,7 +1360,7 @@ def _rollout_logprob_not_decreasing(run: _Run, p: RolloutLogprobNotDecreasingPar
 @_gate("grad_norm_no_spike")
 def _grad_norm_no_spike(run: _Run, p: GradNormNoSpikeParams,
                         reference: Mapping[str, float] | None,
-                        context: Mapping[str, Any]) -> GateResult:
+                        context: GateContext) -> GateResult:
     name = "grad_norm_no_spike"
     pts = run.series(GRAD_NORM)
     if len(pts) < p.window + 1:
@@ -1384,15 +1427,9 @@ def _grad_norm_no_spike(run: _Run, p: GradNormNoSpikeParams,
 @_gate("staleness_within_bound")
 def _staleness_within_bound(run: _Run, p: StalenessWithinBoundParams,
                             reference: Mapping[str, float] | None,
-                            context: Mapping[str, Any]) -> GateResult:
+                            context: GateContext) -> GateResult:
     name = "staleness_within_bound"
-    run_bound: float | None = None  # the runtime's, from the context
-    if context.get("max_staleness") is not None:
-        raw = context["max_staleness"]
-        run_bound = _number(raw)
-        if run_bound is None or run_bound < 0:
-            raise ValueError(f"context max_staleness must be a number ≥ 0, got {raw!r}; the "
-                             "runtime passes 0 (sync), 1 (one_step) or max_off_policy_steps")
+    run_bound = context.max_staleness  # the runtime's
     if p.max_staleness is not None:
         bound, source = p.max_staleness, "max_staleness parameter"
     elif run_bound is not None:
@@ -1400,7 +1437,7 @@ def _staleness_within_bound(run: _Run, p: StalenessWithinBoundParams,
     else:
         bound, source = None, ""
     dropped = run.series(DROPPED_FRAC)
-    drops_configured = bool(dropped) or context.get("max_off_policy_steps") is not None
+    drops_configured = bool(dropped) or context.max_off_policy_steps is not None
     if drops_configured:
         drops = _dropped_fraction(name, p, run, dropped, run_bound)
         if p.max_staleness is None:

@@ -969,3 +969,27 @@ def test_jsonl_round_trip(tmp_path):
             sink.log(i, {LP: 0.006 + 0.001 * i if i != 4 else float("nan")})
     r = evaluate_gate("logprob_diff_flat", read_metrics(path), {"min_rise": 0.001})
     assert not r.passed and r.window == (0, 9)
+
+
+def test_gate_context_comes_from_the_recipe():
+    from registry.gates import GateContext
+    from training.recipe import recipe_from_dict
+
+    def of(**a):
+        return GateContext.of(recipe_from_dict({"name": "x", "async": a}))
+
+    assert of(mode="sync") == GateContext(mode="sync", max_staleness=0)
+    assert of(mode="one_step").max_staleness == 1
+    fa = of(mode="fully_async", max_off_policy_steps=3)
+    assert (fa.max_staleness, fa.max_off_policy_steps) == (3, 3)
+    assert of(mode="fully_async").model_dump() == {"mode": "fully_async", "max_staleness": None,
+                                                   "max_off_policy_steps": None}
+    # a recorded report's plain data reads back to the same context
+    assert GateContext.read(fa.model_dump()) == fa and GateContext.read(None) == GateContext()
+    with pytest.raises(ValueError) as e:
+        GateContext.read({"max_staleness": -1})
+    assert str(e.value).startswith("gate context max_staleness: ") and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="gate context bogus"):
+        GateContext.read({"bogus": 1})
+    with pytest.raises(ValueError, match="must be a whole number"):
+        GateContext.read({"max_off_policy_steps": 1.5})
