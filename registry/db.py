@@ -6,8 +6,10 @@ Opening a registry migrates it to the newest schema (Alembic, ``registry/migrati
 
 Conventions:
 
-- every write is one short transaction; every method returns plain dicts (JSON columns decoded,
-  timestamps as ISO-8601 UTC strings), never ORM objects;
+- every write is one short transaction; every read returns frozen records
+  (:class:`CampaignRecord`, :class:`StageRecord`, :class:`RecipeRecord`, :class:`RunRecord`,
+  :class:`GateRecord`, :class:`PromotionRecord`, :class:`OwnerRecord`: JSON columns decoded,
+  timestamps as ISO-8601 UTC strings, ``to_dict()`` the JSON-ready dict), never ORM objects;
 - the writes a resumed campaign repeats are idempotent: ``create_campaign``, ``put_recipe``,
   ``upsert_stage``, ``upsert_run``, ``record_gate_results`` and auto ``promote``;
 - errors a user can act on are :class:`RegistryError` with a one-line message naming the problem
@@ -28,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,33 @@ from registry.models import (
     utcnow,
 )
 from training.ownership import ProcessIdentity
+
+__all__ = [
+    "AUTO",
+    "CAMPAIGN_STATUSES",
+    "DEFAULT_FILE",
+    "PROMOTION_STATUSES",
+    "RUN_ENDED",
+    "RUN_STATUSES",
+    "SQLITE_BUSY_TIMEOUT_MS",
+    "STAGE_STATUSES",
+    "URL_ENV_VAR",
+    "CampaignOwnedError",
+    "CampaignRecord",
+    "GateRecord",
+    "OwnerRecord",
+    "PromotionRecord",
+    "RecipeRecord",
+    "RegistryDB",
+    "RegistryError",
+    "RunRecord",
+    "StageRecord",
+    "alembic_config",
+    "default_url",
+    "head_revision",
+    "owner_alive",
+    "with_psycopg3",
+]
 
 #: Environment variable with a SQLAlchemy URL that overrides the default SQLite file.
 URL_ENV_VAR = "ASYNCRL_REGISTRY_URL"
@@ -187,87 +217,243 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def _campaign_dict(c: CampaignRow) -> dict:
-    return {
-        "id": c.id,
-        "name": c.name,
-        "spec": _json_load(c.spec),
-        "status": c.status,
-        "verdict": c.verdict,
-        "diagnosis": _json_load(c.diagnosis),
-        "created_at": _iso(c.created_at),
-        "updated_at": _iso(c.updated_at),
-    }
+# --------------------------------------------------------------------------------------------
+# records: what the read methods return
 
 
-def _stage_dict(s: StageRow) -> dict:
-    return {
-        "campaign_id": s.campaign_id,
-        "name": s.name,
-        "index": s.position,
-        "status": s.status,
-        "promoted_candidate": s.promoted_candidate,
-        "created_at": _iso(s.created_at),
-        "updated_at": _iso(s.updated_at),
-    }
+class _Record:
+    """A registry row as a frozen value. Fields hold the row's values with JSON columns decoded
+    and timestamps as ISO-8601 UTC strings (the layout ``--json`` prints); :meth:`to_dict` is
+    that layout as a plain dict. JSON values (dicts, lists) are the decoded data itself, not
+    frozen copies: treat them as read-only."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict, in field order (JSON values copied)."""
+        return asdict(self)  # type: ignore[call-overload]
 
 
-def _recipe_dict(r: RecipeRow) -> dict:
-    return {"hash": r.hash, "name": r.name, "yaml": r.yaml, "created_at": _iso(r.created_at)}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CampaignRecord(_Record):
+    """A campaign (``campaigns`` row)."""
+
+    id: str
+    name: str
+    """The campaign id (the registry key) and the campaign's name."""
+    spec: dict[str, Any]
+    """What was recorded at launch (``flows.campaign.record_campaign``: the campaign, its base
+    recipe's hash, ``path`` of the campaign file); a resume with another spec is refused."""
+    status: str
+    verdict: str | None
+    diagnosis: dict[str, Any] | None
+    """Recorded status (:data:`CAMPAIGN_STATUSES`; ``registry.ownership.effective_status``
+    tells a crashed ``running`` one), the one-line verdict and the diagnosis of a stopped
+    campaign (None until set)."""
+    created_at: str
+    updated_at: str
+    """When the campaign was recorded and last changed (ISO-8601, UTC)."""
 
 
-def _run_dict(r: CandidateRunRow) -> dict:
-    return {
-        "id": r.id,
-        "campaign_id": r.campaign_id,
-        "stage": r.stage,
-        "candidate": r.candidate,
-        "recipe_hash": r.recipe_hash,
-        "status": r.status,
-        "run_dir": r.run_dir,
-        "mlflow_run_id": r.mlflow_run_id,
-        "summary": _json_load(r.summary),
-        "started_at": _iso(r.started_at),
-        "finished_at": _iso(r.finished_at),
-        "created_at": _iso(r.created_at),
-        "updated_at": _iso(r.updated_at),
-    }
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageRecord(_Record):
+    """A campaign stage (``stages`` row)."""
+
+    campaign_id: str
+    name: str
+    index: int
+    """The campaign, the stage's name and its position in the ladder (0 first)."""
+    status: str
+    promoted_candidate: str | None
+    """:data:`STAGE_STATUSES`, and the candidate of the stage's newest active promotion."""
+    created_at: str
+    updated_at: str
+    """When the stage was recorded and last changed (ISO-8601, UTC)."""
 
 
-def _gate_dict(g: GateResultRow) -> dict:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecipeRecord(_Record):
+    """A stored recipe (``recipes`` row), keyed by its hash."""
+
+    hash: str
+    name: str
+    yaml: str
+    """The recipe hash (its identity), the recipe's name and its full YAML."""
+    created_at: str
+    """When it was first stored (ISO-8601, UTC)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunRecord(_Record):
+    """A candidate run (``candidate_runs`` row): one candidate of one stage of a campaign."""
+
+    id: int
+    campaign_id: str
+    stage: str
+    candidate: str
+    recipe_hash: str
+    """The run's id (what gate results refer to), the (campaign, stage, candidate) it is unique
+    for, and the hash of the recipe it trains."""
+    status: str
+    run_dir: str | None
+    mlflow_run_id: str | None
+    summary: dict[str, Any] | None
+    """:data:`RUN_STATUSES`, the run directory, the MLflow child run and the summary metrics
+    of a finished run (None until written)."""
+    started_at: str | None
+    finished_at: str | None
+    created_at: str
+    updated_at: str
+    """When it first ran, when it ended (None while pending or running again), when it was
+    recorded and last changed (ISO-8601, UTC)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GateRecord(_Record):
+    """One gate's result for a run (``gate_results`` row)."""
+
+    run_id: int
+    name: str
+    passed: bool
+    """The run judged, the gate's name and its verdict."""
+    value: float | None
+    threshold: float | None
+    window: tuple[int | None, int | None] | None
+    """The measured value and the threshold it was held to (None when unset or NaN), and the
+    (start, end) steps it was measured over (None when not recorded)."""
+    evidence: Any
+    params: dict[str, Any] | None
+    """The gate's evidence (text or JSON data) and the parameters it ran with."""
+    created_at: str
+    """When the result was recorded (ISO-8601, UTC)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromotionRecord(_Record):
+    """A promotion (``promotions`` row): a campaign's auto promotion of a stage winner, or a
+    person's by hand."""
+
+    id: int
+    campaign_id: str | None
+    stage: str | None
+    candidate: str
+    """The promotion id, the campaign stage it promotes (None for a global, hand-made one) and
+    the candidate."""
+    recipe_hash: str
+    checkpoint: str | None
+    mlflow_version: str | None
+    """The promoted recipe, its checkpoint and the MLflow model version registered for it."""
+    actor: str
+    reason: str
+    status: str
+    created_at: str
+    """Who promoted (:data:`AUTO` or a person), why, :data:`PROMOTION_STATUSES` and when
+    (ISO-8601, UTC)."""
+    retired_at: str | None
+    retired_by: str | None
+    retire_reason: str | None
+    """When, by whom and why it was retired (None while active)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerRecord(_Record):
+    """The process owning a campaign (``campaign_owners`` row), judged alive or not when read."""
+
+    campaign_id: str
+    host: str
+    pid: int
+    start_ticks: int | None
+    """The campaign, and the owner process: host, PID and start time in clock ticks."""
+    acquired_at: str
+    heartbeat_at: str
+    """When it took the campaign and when it last refreshed its heartbeat (ISO-8601, UTC)."""
+    alive: bool
+    describe: str
+    """Whether the owner was alive when read (:func:`owner_alive`) and the process in words
+    (``PID 123 on host (since …)``, as error messages name it)."""
+
+
+def _campaign_record(c: CampaignRow) -> CampaignRecord:
+    return CampaignRecord(
+        id=c.id,
+        name=c.name,
+        spec=_json_load(c.spec),
+        status=c.status,
+        verdict=c.verdict,
+        diagnosis=_json_load(c.diagnosis),
+        created_at=_iso(c.created_at),
+        updated_at=_iso(c.updated_at),
+    )
+
+
+def _stage_record(s: StageRow) -> StageRecord:
+    return StageRecord(
+        campaign_id=s.campaign_id,
+        name=s.name,
+        index=s.position,
+        status=s.status,
+        promoted_candidate=s.promoted_candidate,
+        created_at=_iso(s.created_at),
+        updated_at=_iso(s.updated_at),
+    )
+
+
+def _recipe_record(r: RecipeRow) -> RecipeRecord:
+    return RecipeRecord(hash=r.hash, name=r.name, yaml=r.yaml, created_at=_iso(r.created_at))
+
+
+def _run_record(r: CandidateRunRow) -> RunRecord:
+    return RunRecord(
+        id=r.id,
+        campaign_id=r.campaign_id,
+        stage=r.stage,
+        candidate=r.candidate,
+        recipe_hash=r.recipe_hash,
+        status=r.status,
+        run_dir=r.run_dir,
+        mlflow_run_id=r.mlflow_run_id,
+        summary=_json_load(r.summary),
+        started_at=_iso(r.started_at),
+        finished_at=_iso(r.finished_at),
+        created_at=_iso(r.created_at),
+        updated_at=_iso(r.updated_at),
+    )
+
+
+def _gate_record(g: GateResultRow) -> GateRecord:
     window = None
     if g.window_start is not None or g.window_end is not None:
         window = (g.window_start, g.window_end)
-    return {
-        "run_id": g.run_id,
-        "name": g.name,
-        "passed": bool(g.passed),
-        "value": g.value,
-        "threshold": g.threshold,
-        "window": window,
-        "evidence": _json_load(g.evidence),
-        "params": _json_load(g.params),
-        "created_at": _iso(g.created_at),
-    }
+    return GateRecord(
+        run_id=g.run_id,
+        name=g.name,
+        passed=bool(g.passed),
+        value=g.value,
+        threshold=g.threshold,
+        window=window,
+        evidence=_json_load(g.evidence),
+        params=_json_load(g.params),
+        created_at=_iso(g.created_at),
+    )
 
 
-def _promotion_dict(p: PromotionRow) -> dict:
-    return {
-        "id": p.id,
-        "campaign_id": p.campaign_id,
-        "stage": p.stage,
-        "candidate": p.candidate,
-        "recipe_hash": p.recipe_hash,
-        "checkpoint": p.checkpoint,
-        "mlflow_version": p.mlflow_version,
-        "actor": p.actor,
-        "reason": p.reason,
-        "status": p.status,
-        "created_at": _iso(p.created_at),
-        "retired_at": _iso(p.retired_at),
-        "retired_by": p.retired_by,
-        "retire_reason": p.retire_reason,
-    }
+def _promotion_record(p: PromotionRow) -> PromotionRecord:
+    return PromotionRecord(
+        id=p.id,
+        campaign_id=p.campaign_id,
+        stage=p.stage,
+        candidate=p.candidate,
+        recipe_hash=p.recipe_hash,
+        checkpoint=p.checkpoint,
+        mlflow_version=p.mlflow_version,
+        actor=p.actor,
+        reason=p.reason,
+        status=p.status,
+        created_at=_iso(p.created_at),
+        retired_at=_iso(p.retired_at),
+        retired_by=p.retired_by,
+        retire_reason=p.retire_reason,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,16 +679,16 @@ class RegistryDB:
                 if attempt:  # lost a race twice: something else is wrong
                     raise
 
-    def get_campaign(self, campaign_id: str) -> dict | None:
+    def get_campaign(self, campaign_id: str) -> CampaignRecord | None:
         with self._read() as s:
             c = s.get(CampaignRow, campaign_id)
-            return None if c is None else _campaign_dict(c)
+            return None if c is None else _campaign_record(c)
 
-    def list_campaigns(self) -> list[dict]:
+    def list_campaigns(self) -> list[CampaignRecord]:
         """Every campaign, oldest first."""
         with self._read() as s:
             rows = s.scalars(select(CampaignRow).order_by(CampaignRow.created_at, CampaignRow.id))
-            return [_campaign_dict(c) for c in rows]
+            return [_campaign_record(c) for c in rows]
 
     def set_campaign_status(
         self,
@@ -559,12 +745,12 @@ class RegistryDB:
                 if attempt:
                     raise
 
-    def stages(self, campaign_id: str) -> list[dict]:
+    def stages(self, campaign_id: str) -> list[StageRecord]:
         """A campaign's stages in ladder order."""
         with self._read() as s:
             rows = s.scalars(select(StageRow).where(StageRow.campaign_id == campaign_id)
                              .order_by(StageRow.position, StageRow.id))
-            return [_stage_dict(r) for r in rows]
+            return [_stage_record(r) for r in rows]
 
     # ---- recipes -------------------------------------------------------------------------
 
@@ -583,10 +769,10 @@ class RegistryDB:
                 if attempt:
                     raise
 
-    def get_recipe(self, recipe_hash: str) -> dict | None:
+    def get_recipe(self, recipe_hash: str) -> RecipeRecord | None:
         with self._read() as s:
             r = s.get(RecipeRow, recipe_hash)
-            return None if r is None else _recipe_dict(r)
+            return None if r is None else _recipe_record(r)
 
     def _require_recipe(self, s: Session, recipe_hash: str) -> None:
         if s.get(RecipeRow, recipe_hash) is None:
@@ -664,7 +850,7 @@ class RegistryDB:
         campaign_id: str | None = None,
         stage: str | None = None,
         candidate: str | None = None,
-    ) -> dict | None:
+    ) -> RunRecord | None:
         """A run by id, or by (campaign_id, stage, candidate)."""
         with self._read() as s:
             if run_id is not None:
@@ -679,15 +865,15 @@ class RegistryDB:
                 raise RegistryError(
                     "get_run needs a run_id or all of campaign_id, stage and candidate"
                 )
-            return None if row is None else _run_dict(row)
+            return None if row is None else _run_record(row)
 
-    def runs(self, campaign_id: str, stage: str | None = None) -> list[dict]:
+    def runs(self, campaign_id: str, stage: str | None = None) -> list[RunRecord]:
         """A campaign's runs (of one stage if given), in creation order."""
         with self._read() as s:
             q = select(CandidateRunRow).where(CandidateRunRow.campaign_id == campaign_id)
             if stage is not None:
                 q = q.where(CandidateRunRow.stage == stage)
-            return [_run_dict(r) for r in s.scalars(q.order_by(CandidateRunRow.id))]
+            return [_run_record(r) for r in s.scalars(q.order_by(CandidateRunRow.id))]
 
     # ---- gates ---------------------------------------------------------------------------
 
@@ -733,12 +919,12 @@ class RegistryDB:
             for row in rows:
                 s.add(GateResultRow(run_id=int(run_id), created_at=now, **row))
 
-    def gate_results(self, run_id: int) -> list[dict]:
+    def gate_results(self, run_id: int) -> list[GateRecord]:
         """A run's gate results in the order they were recorded."""
         with self._read() as s:
             rows = s.scalars(select(GateResultRow).where(GateResultRow.run_id == int(run_id))
                              .order_by(GateResultRow.id))
-            return [_gate_dict(g) for g in rows]
+            return [_gate_record(g) for g in rows]
 
     # ---- promotions ----------------------------------------------------------------------
 
@@ -851,7 +1037,7 @@ class RegistryDB:
 
     def promotions(
         self, *, campaign_id: str | None = None, status: str | None = None
-    ) -> list[dict]:
+    ) -> list[PromotionRecord]:
         """Promotions, oldest first, optionally of one campaign and/or one status."""
         if status is not None:
             _check(status, PROMOTION_STATUSES, "promotion status")
@@ -861,7 +1047,7 @@ class RegistryDB:
                 q = q.where(PromotionRow.campaign_id == campaign_id)
             if status is not None:
                 q = q.where(PromotionRow.status == status)
-            return [_promotion_dict(p) for p in s.scalars(q.order_by(PromotionRow.id))]
+            return [_promotion_record(p) for p in s.scalars(q.order_by(PromotionRow.id))]
 
     @staticmethod
     def _promoted(s: Session, campaign_id: str, stage: str) -> PromotionRow | None:
@@ -871,20 +1057,20 @@ class RegistryDB:
             PromotionRow.status == "active",
         ).order_by(PromotionRow.id.desc()).limit(1))
 
-    def promoted(self, campaign_id: str, stage: str) -> dict | None:
+    def promoted(self, campaign_id: str, stage: str) -> PromotionRecord | None:
         """The active promotion of a campaign stage (the newest, if a person added one), or
         None."""
         with self._read() as s:
             p = self._promoted(s, campaign_id, stage)
-            return None if p is None else _promotion_dict(p)
+            return None if p is None else _promotion_record(p)
 
     # ---- campaign ownership (registry.ownership) -----------------------------------------
 
     def acquire_campaign(self, campaign_id: str, owner: ProcessIdentity,
-                         heartbeat_ttl_s: float) -> dict | None:
+                         heartbeat_ttl_s: float) -> OwnerRecord | None:
         """Make ``owner`` the campaign's one owner, atomically (SQLite: ``BEGIN IMMEDIATE``;
         PostgreSQL: the row locked ``FOR UPDATE``, a concurrent first insert loses on the
-        primary key and retries). Returns the previous owner's row when it was dead and is
+        primary key and retries). Returns the previous owner's record when it was dead and is
         taken over (a crashed campaign), else None. Raises :class:`CampaignOwnedError` when a
         live process owns it (see :func:`owner_alive`)."""
         for attempt in range(3):
@@ -895,11 +1081,11 @@ class RegistryDB:
                     now = utcnow()
                     previous = None
                     if row is not None and row.token != owner.token:
-                        previous = _owner_dict(row, heartbeat_ttl_s)
-                        if previous["alive"]:
+                        previous = _owner_record(row, heartbeat_ttl_s)
+                        if previous.alive:
                             raise CampaignOwnedError(
                                 f"campaign {campaign_id} is being run by asyncrl "
-                                f"{previous['describe']}; wait for it to finish (`asyncrl "
+                                f"{previous.describe}; wait for it to finish (`asyncrl "
                                 f"campaign status {campaign_id}`) or stop that process, then "
                                 "resume it", previous)
                         s.delete(row)
@@ -933,17 +1119,17 @@ class RegistryDB:
             s.execute(delete(CampaignOwnerRow).where(CampaignOwnerRow.campaign_id == campaign_id,
                                                   CampaignOwnerRow.token == token))
 
-    def campaign_owner(self, campaign_id: str, heartbeat_ttl_s: float) -> dict | None:
-        """The campaign's owner row (``host``, ``pid``, ``alive``, ``describe``, …), or None."""
+    def campaign_owner(self, campaign_id: str, heartbeat_ttl_s: float) -> OwnerRecord | None:
+        """The campaign's owner (``host``, ``pid``, ``alive``, ``describe``, …), or None."""
         with self._read() as s:
             row = s.get(CampaignOwnerRow, campaign_id)
-            return None if row is None else _owner_dict(row, heartbeat_ttl_s)
+            return None if row is None else _owner_record(row, heartbeat_ttl_s)
 
 
 class CampaignOwnedError(RegistryError):
-    """A live process owns the campaign; ``owner`` is its row (see ``campaign_owner``)."""
+    """A live process owns the campaign; ``owner`` is its record (see ``campaign_owner``)."""
 
-    def __init__(self, message: str, owner: dict) -> None:
+    def __init__(self, message: str, owner: OwnerRecord) -> None:
         super().__init__(message)
         self.owner = owner
 
@@ -960,14 +1146,14 @@ def owner_alive(identity: ProcessIdentity, heartbeat_at: datetime, heartbeat_ttl
     return (utcnow() - heartbeat_at).total_seconds() < heartbeat_ttl_s
 
 
-def _owner_dict(row: CampaignOwnerRow, heartbeat_ttl_s: float) -> dict:
+def _owner_record(row: CampaignOwnerRow, heartbeat_ttl_s: float) -> OwnerRecord:
     identity = ProcessIdentity(host=row.host, pid=row.pid, start_ticks=row.start_ticks,
                                token=row.token, since=_aware(row.acquired_at).timestamp())
-    return {"campaign_id": row.campaign_id, "host": row.host, "pid": row.pid,
-            "start_ticks": row.start_ticks, "acquired_at": _iso(row.acquired_at),
-            "heartbeat_at": _iso(row.heartbeat_at),
-            "alive": owner_alive(identity, row.heartbeat_at, heartbeat_ttl_s),
-            "describe": identity.describe()}
+    return OwnerRecord(campaign_id=row.campaign_id, host=row.host, pid=row.pid,
+                       start_ticks=row.start_ticks, acquired_at=_iso(row.acquired_at),
+                       heartbeat_at=_iso(row.heartbeat_at),
+                       alive=owner_alive(identity, row.heartbeat_at, heartbeat_ttl_s),
+                       describe=identity.describe())
 
 
 def _aware(ts: datetime) -> datetime:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from registry.db import RegistryDB
+from registry.db import CampaignRecord, OwnerRecord, RegistryDB
 from training.ownership import ProcessIdentity
 
 __all__ = ["HEARTBEAT_EVERY_S", "HEARTBEAT_TTL_S", "CampaignLease", "effective_status"]
@@ -40,7 +40,7 @@ _HELD: dict[tuple[str, str], CampaignLease] = {}
 class CampaignLease:
     """Hold the campaign's ownership for the duration of a ``with`` block.
 
-    ``previous`` is the crashed owner's row when this lease took over from one (None for a
+    ``previous`` is the crashed owner's record when this lease took over from one (None for a
     fresh start or a clean resume). Raises :class:`registry.db.CampaignOwnedError` on entry
     when a live process owns the campaign. Entering a lease this process already holds (an
     outer ``with``) reuses it; only the outer one releases it."""
@@ -49,7 +49,7 @@ class CampaignLease:
         self.db = db
         self.campaign_id = campaign_id
         self.identity = ProcessIdentity.current()
-        self.previous: dict | None = None
+        self.previous: OwnerRecord | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._outer: CampaignLease | None = None
@@ -104,10 +104,11 @@ class CampaignLease:
             log.warning("could not release campaign %s: %s", self.campaign_id, e)
 
 
-def effective_status(db: RegistryDB, campaign: dict) -> tuple[str, dict | None]:
+def effective_status(db: RegistryDB, campaign: CampaignRecord
+                     ) -> tuple[str, OwnerRecord | None]:
     """``(status, owner)``: the recorded status, except ``"crashed"`` for a ``running``
-    campaign whose owner is gone (or was never recorded); ``owner`` is its row or None."""
-    owner = db.campaign_owner(campaign["id"], HEARTBEAT_TTL_S)
-    if campaign["status"] == "running" and (owner is None or not owner["alive"]):
+    campaign whose owner is gone (or was never recorded); ``owner`` is its record or None."""
+    owner = db.campaign_owner(campaign.id, HEARTBEAT_TTL_S)
+    if campaign.status == "running" and (owner is None or not owner.alive):
         return "crashed", owner
-    return campaign["status"], owner
+    return campaign.status, owner

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from ui.common import DEFAULT_PREFECT_PORT, HOST, answers, fail, require_state_dir
+
+if TYPE_CHECKING:
+    from registry.db import OwnerRecord
 
 campaign_app = typer.Typer(help="Run staged campaigns (Prefect flows) and inspect them.",
                            no_args_is_help=True)
@@ -248,9 +251,9 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
             db = _db()
             try:
                 for st in db.stages(campaign_id):
-                    if seen.get(st["name"]) != st["status"]:
-                        seen[st["name"]] = st["status"]
-                        console.print(f"  stage {st['name']}: {st['status']}")
+                    if seen.get(st.name) != st.status:
+                        seen[st.name] = st.status
+                        console.print(f"  stage {st.name}: {st.status}")
             finally:
                 db.close()
             if state is not None and state.type.value in _TERMINAL:
@@ -266,12 +269,12 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
     if row is None:
         fail(f"the flow run ended ({state.type.value}: {state.message or ''}) before the "
               f"campaign was recorded; see {ui}")
-    out = {"campaign_id": campaign_id, "status": row["status"], "verdict": row["verdict"] or "",
-           "diagnosis": row.get("diagnosis"), "flow_run_id": str(run.id), "flow_run_url": ui,
-           "promoted": {p["stage"]: {k: p[k] for k in ("candidate", "recipe_hash", "checkpoint",
-                                                      "mlflow_version")}
-                        for p in promos if p["actor"] == "auto"}}
-    if state.type.value != "COMPLETED" and row["status"] not in ("finished", "stopped"):
+    out = {"campaign_id": campaign_id, "status": row.status, "verdict": row.verdict or "",
+           "diagnosis": row.diagnosis, "flow_run_id": str(run.id), "flow_run_url": ui,
+           "promoted": {p.stage: {"candidate": p.candidate, "recipe_hash": p.recipe_hash,
+                                  "checkpoint": p.checkpoint, "mlflow_version": p.mlflow_version}
+                        for p in promos if p.actor == "auto"}}
+    if state.type.value != "COMPLETED" and row.status not in ("finished", "stopped"):
         fail(f"flow run {state.type.value.lower()}: {state.message or ''} (campaign "
               f"{campaign_id}; see {ui}; resume with: asyncrl campaign resume {campaign_id})")
     _print_outcome(console, out, as_json)
@@ -290,7 +293,7 @@ def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
     db.close()
     if row is None:
         fail(f"no campaign {campaign_id!r} in the registry; `asyncrl campaign list` shows them")
-    path = Path(row["spec"].get("path", ""))
+    path = Path(row.spec.get("path", ""))
     if not path.is_file():
         fail(f"the campaign file {path} of {campaign_id} is gone; restore it to resume")
     _run_flow(path, campaign_id, as_json)
@@ -303,19 +306,19 @@ def list_campaigns(as_json: bool = typer.Option(False, "--json")) -> None:
     from registry.ownership import effective_status
 
     db = _db()
+    rows: list[dict[str, Any]] = []
     try:
-        rows = db.list_campaigns()
-        for r in rows:
-            r["status"], r["owner"] = effective_status(db, r)
-            if r["status"] == "crashed":
-                r["verdict"] = _crashed_text(r["id"], r["owner"])
+        for c in db.list_campaigns():
+            status_now, owner = effective_status(db, c)
+            rows.append({"id": c.id, "name": c.name, "status": status_now,
+                         "verdict": _crashed_text(c.id, owner) if status_now == "crashed"
+                         else c.verdict, "created_at": c.created_at,
+                         "owner": None if owner is None else owner.to_dict()})
     finally:
         db.close()
-    rows = sorted(rows, key=lambda r: r.get("created_at") or "", reverse=True)
+    rows.sort(key=lambda r: r["created_at"], reverse=True)
     if as_json:
-        typer.echo(json.dumps([{k: r[k] for k in ("id", "name", "status", "verdict",
-                                                   "created_at", "owner")} for r in rows],
-                              indent=2))
+        typer.echo(json.dumps(rows, indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -324,8 +327,8 @@ def list_campaigns(as_json: bool = typer.Option(False, "--json")) -> None:
     for c in ("id", "name", "status", "created", "verdict"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["id"], r["name"], r["status"], (r.get("created_at") or "")[:19],
-                  (r.get("verdict") or "")[:80])
+        t.add_row(r["id"], r["name"], r["status"], r["created_at"][:19],
+                  (r["verdict"] or "")[:80])
     Console().print(t)
 
 
@@ -336,28 +339,30 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
     """Stages, candidates, gate results and promotions of a campaign."""
     db = _db()
     if campaign_id is None:
-        rows = sorted(db.list_campaigns(), key=lambda r: r.get("created_at") or "")
-        if not rows:
+        campaigns = sorted(db.list_campaigns(), key=lambda c: c.created_at)
+        if not campaigns:
             fail("no campaigns yet; start one with `asyncrl campaign launch campaigns/quick.yaml`")
-        campaign_id = rows[-1]["id"]
+        campaign_id = campaigns[-1].id
     row = db.get_campaign(campaign_id)
     if row is None:
         fail(f"no campaign {campaign_id!r}; `asyncrl campaign list` shows them")
     from registry.ownership import effective_status
 
     status_now, owner = effective_status(db, row)
-    data = {"id": row["id"], "name": row["name"], "status": status_now,
-            "recorded_status": row["status"], "owner": owner,
-            "verdict": _crashed_text(campaign_id, owner) if status_now == "crashed"
-            else row.get("verdict"), "diagnosis": row.get("diagnosis"),
-            "stages": db.stages(campaign_id), "runs": [], "promotions":
-            db.promotions(campaign_id=campaign_id)}
-    for r in db.runs(campaign_id):
-        data["runs"].append({**{k: r[k] for k in ("id", "stage", "candidate", "recipe_hash",
-                                                   "status", "run_dir", "mlflow_run_id")},
-                             "gates": db.gate_results(r["id"]),
-                             "summary": r.get("summary") or {}})
+    stages = db.stages(campaign_id)
+    promotions = db.promotions(campaign_id=campaign_id)
+    runs = [(r, db.gate_results(r.id)) for r in db.runs(campaign_id)]
     db.close()
+    verdict = _crashed_text(campaign_id, owner) if status_now == "crashed" else row.verdict
+    data = {"id": row.id, "name": row.name, "status": status_now,
+            "recorded_status": row.status, "owner": None if owner is None else owner.to_dict(),
+            "verdict": verdict, "diagnosis": row.diagnosis,
+            "stages": [st.to_dict() for st in stages],
+            "runs": [{"id": r.id, "stage": r.stage, "candidate": r.candidate,
+                      "recipe_hash": r.recipe_hash, "status": r.status, "run_dir": r.run_dir,
+                      "mlflow_run_id": r.mlflow_run_id, "gates": [g.to_dict() for g in gates],
+                      "summary": r.summary or {}} for r, gates in runs],
+            "promotions": [p.to_dict() for p in promotions]}
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
         return
@@ -366,32 +371,31 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
     from rich.table import Table
 
     con = Console()
-    con.print(f"campaign [bold]{escape(data['id'])}[/] ({escape(data['name'])}): "
-              f"{data['status']}"
-              + (f" — {escape(data['verdict'])}" if data.get("verdict") else ""))
-    if data["status"] == "running" and owner is not None:
-        con.print(f"owner: asyncrl {escape(owner['describe'])}, last heartbeat "
-                  f"{owner['heartbeat_at']}")
+    con.print(f"campaign [bold]{escape(row.id)}[/] ({escape(row.name)}): {status_now}"
+              + (f" — {escape(verdict)}" if verdict else ""))
+    if status_now == "running" and owner is not None:
+        con.print(f"owner: asyncrl {escape(owner.describe)}, last heartbeat "
+                  f"{owner.heartbeat_at}")
     t = Table()
     for c in ("stage", "candidate", "status", "reward", "eval", "gates"):
         t.add_column(c)
-    for r in data["runs"]:
-        s = r["summary"]
-        gates = " ".join(("✓" if g["passed"] else "✗") + g["name"] for g in r["gates"])
-        t.add_row(r["stage"], r["candidate"], r["status"],
-                  _num(s.get("rollout/reward_mean")), _num(s.get("eval/reward_mean")), gates)
+    for r, gates in runs:
+        s = r.summary or {}
+        marks = " ".join(("✓" if g.passed else "✗") + g.name for g in gates)
+        t.add_row(r.stage, r.candidate, r.status,
+                  _num(s.get("rollout/reward_mean")), _num(s.get("eval/reward_mean")), marks)
     con.print(t)
-    for p in data["promotions"]:
-        con.print(f"promoted {p['stage']}: {p['candidate']} (recipe {p['recipe_hash']}, "
-                  f"{p['status']}, by {p['actor']}: {p['reason']})")
+    for p in promotions:
+        con.print(f"promoted {p.stage}: {p.candidate} (recipe {p.recipe_hash}, "
+                  f"{p.status}, by {p.actor}: {p.reason})")
 
 
 def _num(v: Any) -> str:
     return "—" if v is None else f"{float(v):.3g}"
 
 
-def _crashed_text(campaign_id: str, owner: dict[str, Any] | None) -> str:
-    who = f"owner {owner['describe']} is gone" if owner else "no owner process recorded"
+def _crashed_text(campaign_id: str, owner: OwnerRecord | None) -> str:
+    who = f"owner {owner.describe} is gone" if owner else "no owner process recorded"
     return f"crashed ({who}); resume with: asyncrl campaign resume {campaign_id}"
 
 
@@ -407,7 +411,7 @@ def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
     rows = db.promotions(campaign_id=campaign_id, status=None if all_ else "active")
     db.close()
     if as_json:
-        typer.echo(json.dumps(rows, indent=2, default=str))
+        typer.echo(json.dumps([p.to_dict() for p in rows], indent=2, default=str))
         return
     from rich.console import Console
     from rich.table import Table
@@ -416,9 +420,8 @@ def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
     for c in ("id", "campaign", "stage", "candidate", "recipe", "status", "by", "reason"):
         t.add_column(c)
     for p in rows:
-        t.add_row(str(p["id"]), p.get("campaign_id") or "—", p.get("stage") or "—",
-                  p["candidate"], p["recipe_hash"], p["status"], p["actor"],
-                  (p.get("reason") or "")[:60])
+        t.add_row(str(p.id), p.campaign_id or "—", p.stage or "—", p.candidate,
+                  p.recipe_hash, p.status, p.actor, (p.reason or "")[:60])
     Console().print(t)
 
 
@@ -427,16 +430,16 @@ def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -
     """Print a registered recipe (YAML) and its promotions."""
     db = _db()
     row = db.get_recipe(recipe_hash)
-    promos = [p for p in db.promotions() if p["recipe_hash"] == recipe_hash]
+    promos = [p for p in db.promotions() if p.recipe_hash == recipe_hash]
     db.close()
     if row is None:
         fail(f"no recipe {recipe_hash!r} in the registry; `asyncrl registry list` shows the "
               "promoted ones")
-    typer.echo(f"# recipe {recipe_hash} ({row['name']})")
-    typer.echo(row["yaml"])
+    typer.echo(f"# recipe {recipe_hash} ({row.name})")
+    typer.echo(row.yaml)
     for p in promos:
-        typer.echo(f"# promoted: {p.get('campaign_id')}/{p.get('stage')} {p['candidate']} "
-                   f"({p['status']}, by {p['actor']}: {p['reason']})")
+        typer.echo(f"# promoted: {p.campaign_id}/{p.stage} {p.candidate} "
+                   f"({p.status}, by {p.actor}: {p.reason})")
 
 
 @registry_app.command("promote")

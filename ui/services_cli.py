@@ -553,13 +553,13 @@ def _mlflow_run_ids(run_dirs: list[Path]) -> list[str | None]:
         def scan(campaign_ids: list[str]) -> None:
             for cid in campaign_ids:
                 for r in db.runs(cid):
-                    i = wanted.get(Path(r["run_dir"]).resolve()) if r.get("run_dir") else None
-                    if i is not None and r.get("mlflow_run_id"):
-                        ids[i] = r["mlflow_run_id"]
+                    i = wanted.get(Path(r.run_dir).resolve()) if r.run_dir else None
+                    if i is not None and r.mlflow_run_id:
+                        ids[i] = r.mlflow_run_id
 
         scan(first)
         if not all(ids):
-            scan([c["id"] for c in db.list_campaigns() if c["id"] not in first])
+            scan([c.id for c in db.list_campaigns() if c.id not in first])
     except (RegistryError, SQLAlchemyError, OSError):
         pass
     finally:

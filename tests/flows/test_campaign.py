@@ -86,25 +86,25 @@ def test_promotions_follow_the_gates(campaign_run):
 
     db = RegistryDB()
     promos = db.promotions(campaign_id="e2e-1")
-    assert sorted((p["stage"], p["candidate"]) for p in promos) == [("async", "sync"),
+    assert sorted((p.stage, p.candidate) for p in promos) == [("async", "sync"),
                                                                     ("baseline", "default")]
-    runs = {(r["stage"], r["candidate"]): r for r in db.runs("e2e-1")}
+    runs = {(r.stage, r.candidate): r for r in db.runs("e2e-1")}
     assert set(runs) == {("baseline", "default"), ("async", "one-step"), ("async", "sync")}
-    bad = {g["name"]: g for g in db.gate_results(runs[("async", "one-step")]["id"])}
-    assert not bad["staleness_within_bound"]["passed"]
-    assert bad["staleness_within_bound"]["value"] == 1.0
-    assert "1" in bad["staleness_within_bound"]["evidence"]
-    assert runs[("async", "one-step")]["status"] == "rejected"
-    good = db.gate_results(runs[("async", "sync")]["id"])
-    assert good and all(g["passed"] for g in good)
+    bad = {g.name: g for g in db.gate_results(runs[("async", "one-step")].id)}
+    assert not bad["staleness_within_bound"].passed
+    assert bad["staleness_within_bound"].value == 1.0
+    assert "1" in bad["staleness_within_bound"].evidence
+    assert runs[("async", "one-step")].status == "rejected"
+    good = db.gate_results(runs[("async", "sync")].id)
+    assert good and all(g.passed for g in good)
     # the async stage started from the baseline's promoted checkpoint
-    recipe = yaml.safe_load(db.get_recipe(runs[("async", "sync")]["recipe_hash"])["yaml"])
+    recipe = yaml.safe_load(db.get_recipe(runs[("async", "sync")].recipe_hash).yaml)
     # ... known by the recipe that produced it (its identity does not depend on the path)
     assert recipe["model"] == {"kind": "checkpoint",
                                "path": out["promoted"]["baseline"]["checkpoint"],
                                "origin": f"recipe:{out['promoted']['baseline']['recipe_hash']}",
                                "moe_experts": 0}
-    report = json.loads((Path(runs[("async", "one-step")]["run_dir"]) / "gate_report.json")
+    report = json.loads((Path(runs[("async", "one-step")].run_dir) / "gate_report.json")
                         .read_text())
     assert report["passed"] is False
     db.close()
@@ -116,7 +116,7 @@ def test_every_gate_and_the_diagnosis_run_on_the_real_metrics(campaign_run):
     from training.runtime.sinks import read_metrics
 
     db = RegistryDB()
-    run_dirs = [Path(r["run_dir"]) for r in db.runs("e2e-1")]
+    run_dirs = [Path(r.run_dir) for r in db.runs("e2e-1")]
     db.close()
     assert len(run_dirs) == 3
     for run_dir in run_dirs:
@@ -185,7 +185,7 @@ def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
     assert parent.info.status == "FAILED"
     assert parent.data.tags["asyncrl.verdict"] == out["verdict"]
     db = RegistryDB()
-    assert db.get_campaign("e2e-stop")["status"] == "stopped"
+    assert db.get_campaign("e2e-stop").status == "stopped"
     db.close()
 
 
@@ -199,11 +199,11 @@ def test_gates_command_rejudges_with_the_recorded_configuration(campaign_run):
     from ui.cli import app
 
     db = RegistryDB()
-    runs = {(r["stage"], r["candidate"]): r for r in db.runs("e2e-1")}
+    runs = {(r.stage, r.candidate): r for r in db.runs("e2e-1")}
     run = runs[("async", "one-step")]
-    recorded = {g["name"]: g for g in db.gate_results(run["id"])}
+    recorded = {g.name: g for g in db.gate_results(run.id)}
     db.close()
-    res = CliRunner().invoke(app, ["gates", run["run_dir"], "--json"])
+    res = CliRunner().invoke(app, ["gates", run.run_dir, "--json"])
     assert res.exit_code == 3, res.output
     data = json.loads(res.stdout)
     assert "e2e-1/async/one-step" in data["judged_with"]
@@ -211,14 +211,14 @@ def test_gates_command_rejudges_with_the_recorded_configuration(campaign_run):
     assert set(got) == set(recorded) == {"staleness_within_bound", "logprob_diff_flat"}
     for name, r in got.items():
         assert (r["passed"], r["value"], r["threshold"]) == (
-            recorded[name]["passed"], recorded[name]["value"], recorded[name]["threshold"])
+            recorded[name].passed, recorded[name].value, recorded[name].threshold)
     assert got["staleness_within_bound"]["passed"] is False
-    text = CliRunner().invoke(app, ["gates", run["run_dir"]]).stdout.splitlines()
+    text = CliRunner().invoke(app, ["gates", run.run_dir]).stdout.splitlines()
     assert text[0].startswith("judged with the gates, parameters and context campaign run "
                               "e2e-1/async/one-step was judged with")
     assert "FAIL staleness_within_bound" in text[1] + text[2]
     # --defaults: every gate at its defaults, and the line says so
-    res = CliRunner().invoke(app, ["gates", run["run_dir"], "--defaults", "--json"])
+    res = CliRunner().invoke(app, ["gates", run.run_dir, "--defaults", "--json"])
     data = json.loads(res.stdout)
     assert data["judged_with"].startswith("every gate at its default parameters")
     assert len(data["results"]) == len(gate_names())

@@ -206,7 +206,7 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
     _crash_at("judged:s1", ["campaign", "resume", cid], env, tmp_path / "crash1.log")
     db = registry()
     (s1_run,) = db.runs(cid)
-    assert {g["name"] for g in db.gate_results(s1_run["id"])} == {"reward_not_collapsed"}
+    assert {g.name for g in db.gate_results(s1_run.id)} == {"reward_not_collapsed"}
     assert db.promoted(cid, "s1") is None
     db.close()
     assert versions() == []
@@ -256,7 +256,7 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
     _crash_at("promoted:s2", ["campaign", "resume", cid], env, tmp_path / "crash3.log")
     db = registry()
     assert db.promoted(cid, "s2") is not None
-    assert {s["name"]: s["status"] for s in db.stages(cid)}["s2"] == "running"
+    assert {s.name: s.status for s in db.stages(cid)}["s2"] == "running"
     db.close()
 
     # 6. resume to the end
@@ -269,15 +269,15 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
 
     db = registry()
     promos = db.promotions(campaign_id=cid)
-    assert sorted(p["stage"] for p in promos) == ["s1", "s2"]  # one each, no duplicate
-    assert sorted((r["stage"], r["candidate"]) for r in db.runs(cid)) == [
+    assert sorted(p.stage for p in promos) == ["s1", "s2"]  # one each, no duplicate
+    assert sorted((r.stage, r.candidate) for r in db.runs(cid)) == [
         ("s1", "default"), ("s2", "default")]
-    assert db.get_campaign(cid)["status"] == "finished"
-    assert {s["name"]: s["status"] for s in db.stages(cid)} == {"s1": "finished",
+    assert db.get_campaign(cid).status == "finished"
+    assert {s.name: s.status for s in db.stages(cid)} == {"s1": "finished",
                                                                 "s2": "finished"}
     for run in db.runs(cid):  # one set of gate results per run, not one per judgement
-        assert [g["name"] for g in db.gate_results(run["id"])] == ["reward_not_collapsed"]
-    assert all(p["mlflow_version"] for p in promos)
+        assert [g.name for g in db.gate_results(run.id)] == ["reward_not_collapsed"]
+    assert all(p.mlflow_version for p in promos)
     db.close()
     for stage in ("s1", "s2"):  # every trainer step exactly once in the run's history
         rows = [json.loads(x) for x in (runs / stage / "default" / "metrics.jsonl")
@@ -295,7 +295,7 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
         assert sorted(steps) == list(range(STEPS)), steps  # each step once
     # one registered checkpoint per promoted stage, and the registry points at those
     assert sorted(int(v.version) for v in versions()) == [1, 2]
-    assert sorted(p["mlflow_version"] for p in promos) == ["1", "2"]
+    assert sorted(p.mlflow_version for p in promos) == ["1", "2"]
     champion = client.get_model_version_by_alias("asyncrl-killtest", "champion")
     assert str(champion.version) == "2"
     assert parents[0].info.status == "FINISHED"

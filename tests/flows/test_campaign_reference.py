@@ -55,35 +55,35 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     out = campaign_run
     assert out["status"] == "finished", out["verdict"]
     db = RegistryDB()
-    runs = {(r["stage"], r["candidate"]): r for r in db.runs("refrun-1")}
+    runs = {(r.stage, r.candidate): r for r in db.runs("refrun-1")}
     assert set(runs) == {("baseline", "default"), ("next", "reference-baseline"),
                          ("next", "full"), ("next", "half")}
     ref_row = runs[("next", "reference-baseline")]
-    assert ref_row["status"] == "finished"
-    ref = yaml.safe_load(db.get_recipe(ref_row["recipe_hash"])["yaml"])
-    base = yaml.safe_load(db.get_recipe(runs[("baseline", "default")]["recipe_hash"])["yaml"])
+    assert ref_row.status == "finished"
+    ref = yaml.safe_load(db.get_recipe(ref_row.recipe_hash).yaml)
+    base = yaml.safe_load(db.get_recipe(runs[("baseline", "default")].recipe_hash).yaml)
     # the baseline's promoted recipe, from this stage's starting checkpoint, at its data
     start = out["promoted"]["baseline"]["checkpoint"]
     assert ref["model"] == {"kind": "checkpoint", "path": start, "moe_experts": 0,
-                            "origin": f"recipe:{runs[('baseline', 'default')]['recipe_hash']}"}
+                            "origin": f"recipe:{runs[('baseline', 'default')].recipe_hash}"}
     # the stage's overrides apply (its task and optimiser), its async section would not
     assert base["optim"]["lr"] != 2e-6
     assert ref["optim"]["lr"] == 2e-6
     assert ref["async"] == base["async"]
     assert ref["steps"] == 3  # ceil(48 / 16)
-    ref_dir = Path(ref_row["run_dir"])
+    ref_dir = Path(ref_row.run_dir)
     ref_summary = summarize(read_metrics(ref_dir / "metrics.jsonl"))
-    original = summarize(read_metrics(Path(runs[("baseline", "default")]["run_dir"])
+    original = summarize(read_metrics(Path(runs[("baseline", "default")].run_dir)
                                       / "metrics.jsonl"))
     for cand in ("full", "half"):
-        report = json.loads((Path(runs[("next", cand)]["run_dir"]) / "gate_report.json")
+        report = json.loads((Path(runs[("next", cand)].run_dir) / "gate_report.json")
                             .read_text())
         judged = report["judged_with"]
         assert judged["references"] == {"baseline": ref_summary}
         assert judged["reference_runs"] == {"baseline": str(ref_dir)}
         # the recorded verdict is the gate on the re-run's summary
         gate = next(g for g in report["gates"] if g["name"] == "logprob_diff_flat")
-        history = read_metrics(Path(runs[("next", cand)]["run_dir"]) / "metrics.jsonl")
+        history = read_metrics(Path(runs[("next", cand)].run_dir) / "metrics.jsonl")
         again = evaluate_gate("logprob_diff_flat", history, {"max_ratio": 1000.0},
                               reference=ref_summary, context=judged["context"]).to_dict()
         assert (gate["threshold"], gate["evidence"]) == (again["threshold"], again["evidence"])
@@ -93,7 +93,7 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     ref_report = json.loads((ref_dir / "gate_report.json").read_text())
     assert [g["name"] for g in ref_report["gates"]] == ["reward_not_collapsed"]
     assert out["promoted"]["next"]["candidate"] in ("full", "half")
-    assert {p["candidate"] for p in db.promotions(campaign_id="refrun-1")} <= {
+    assert {p.candidate for p in db.promotions(campaign_id="refrun-1")} <= {
         "default", "full", "half"}
     db.close()
 
@@ -102,12 +102,12 @@ def test_candidates_of_a_stage_train_the_same_samples(campaign_run):
     from registry.db import RegistryDB
 
     db = RegistryDB()
-    runs = {(r["stage"], r["candidate"]): r for r in db.runs("refrun-1")}
+    runs = {(r.stage, r.candidate): r for r in db.runs("refrun-1")}
     seen = {}
     for cand in ("full", "half", "reference-baseline"):
         row = runs[("next", cand)]
-        recipe = yaml.safe_load(db.get_recipe(row["recipe_hash"])["yaml"])
-        report = json.loads((Path(row["run_dir"]) / "gate_report.json").read_text())
+        recipe = yaml.safe_load(db.get_recipe(row.recipe_hash).yaml)
+        report = json.loads((Path(row.run_dir) / "gate_report.json").read_text())
         seen[cand] = (recipe["steps"], report["samples_trained"])
     db.close()
     assert seen == {"full": (3, 48), "half": (6, 48), "reference-baseline": (3, 48)}

@@ -69,10 +69,10 @@ def _reports() -> dict[str, dict]:
 
     db = RegistryDB()
     try:
-        rows = {r["candidate"]: r for r in db.runs("stress-e2e-1") if r["stage"] == "one-step"}
+        rows = {r.candidate: r for r in db.runs("stress-e2e-1") if r.stage == "one-step"}
     finally:
         db.close()
-    return {c: json.loads((Path(r["run_dir"]) / "gate_report.json").read_text())
+    return {c: json.loads((Path(r.run_dir) / "gate_report.json").read_text())
             for c, r in rows.items()}
 
 
@@ -104,7 +104,7 @@ def test_the_registry_and_mlflow_record_both_verdicts(campaign_run):
 
     db = RegistryDB()
     try:
-        promoted = [p["candidate"] for p in db.promotions(campaign_id="stress-e2e-1")]
+        promoted = [p.candidate for p in db.promotions(campaign_id="stress-e2e-1")]
     finally:
         db.close()
     assert promoted == ["default", "stable"]

@@ -5,17 +5,33 @@ real values, idempotency of the writes a resumed campaign repeats, concurrency, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
+from dataclasses import FrozenInstanceError, fields
+from datetime import datetime
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from registry.db import RegistryDB, RegistryError, default_url, head_revision
+from registry.db import (
+    CampaignRecord,
+    GateRecord,
+    OwnerRecord,
+    PromotionRecord,
+    RecipeRecord,
+    RegistryDB,
+    RegistryError,
+    RunRecord,
+    StageRecord,
+    default_url,
+    head_revision,
+)
 from registry.models import Base
+from training.ownership import ProcessIdentity
 
 TABLES = {"campaigns", "stages", "recipes", "candidate_runs", "gate_results", "promotions",
           "campaign_owners"}
@@ -75,7 +91,7 @@ def test_downgrade_base_then_upgrade_head(db, db_url, campaign):
     assert db.schema_revision() == "0001"
     columns = {c["name"] for c in inspect(db._engine).get_columns("promotions")}
     assert "retired_at" not in columns
-    assert db.get_campaign("c1")["name"] == "ladder"  # data survives a one-step downgrade
+    assert db.get_campaign("c1").name == "ladder"  # data survives a one-step downgrade
     db.downgrade("base")
     assert db.schema_revision() == ""
     assert _tables(db_url) & TABLES == set()
@@ -83,7 +99,7 @@ def test_downgrade_base_then_upgrade_head(db, db_url, campaign):
     assert db.schema_revision() == head_revision()
     assert _tables(db_url) == TABLES | {"alembic_version"}
     db.create_campaign("c2", "again", SPEC)  # usable after the round trip
-    assert [c["id"] for c in db.list_campaigns()] == ["c2"]
+    assert [c.id for c in db.list_campaigns()] == ["c2"]
 
 
 def test_upgrade_false_leaves_an_empty_database_alone(db_url):
@@ -128,10 +144,10 @@ def test_campaign_create_get_list_and_status(db):
     assert db.get_campaign("nope") is None
     db.create_campaign("c1", "ladder", SPEC)
     c = db.get_campaign("c1")
-    assert c["id"] == "c1" and c["name"] == "ladder" and c["spec"] == SPEC
-    assert c["status"] == "pending" and c["verdict"] is None and c["diagnosis"] is None
-    assert c["created_at"].endswith("+00:00")
-    json.dumps(c)  # a plain, JSON-ready dict
+    assert c.id == "c1" and c.name == "ladder" and c.spec == SPEC
+    assert c.status == "pending" and c.verdict is None and c.diagnosis is None
+    assert c.created_at.endswith("+00:00")
+    json.dumps(c.to_dict())  # a JSON-ready dict
 
     db.create_campaign("c1", "ladder", json.loads(json.dumps(SPEC)))  # same again: no-op
     assert db.get_campaign("c1") == c
@@ -139,19 +155,19 @@ def test_campaign_create_get_list_and_status(db):
         db.create_campaign("c1", "ladder", {**SPEC, "lr": 1e-3})
 
     db.create_campaign("c0", "other", {"x": 1})
-    assert [x["id"] for x in db.list_campaigns()] == ["c1", "c0"]
+    assert [x.id for x in db.list_campaigns()] == ["c1", "c0"]
 
     db.set_campaign_status("c1", "running")
-    assert db.get_campaign("c1")["status"] == "running"
+    assert db.get_campaign("c1").status == "running"
     diagnosis = {"causes": [{"id": "C", "evidence": {"mismatch/k3_kl": 0.02}}]}
     db.set_campaign_status("c1", "stopped", verdict="no candidate passed stage sync",
                            diagnosis=diagnosis)
     c = db.get_campaign("c1")
-    assert (c["status"], c["verdict"], c["diagnosis"]) == (
+    assert (c.status, c.verdict, c.diagnosis) == (
         "stopped", "no candidate passed stage sync", diagnosis)
-    assert c["updated_at"] >= c["created_at"]
+    assert c.updated_at >= c.created_at
     db.set_campaign_status("c1", "running")  # verdict and diagnosis kept unless given
-    assert db.get_campaign("c1")["verdict"] == "no candidate passed stage sync"
+    assert db.get_campaign("c1").verdict == "no candidate passed stage sync"
     with pytest.raises(RegistryError, match="unknown campaign status 'done'"):
         db.set_campaign_status("c1", "done")
     with pytest.raises(RegistryError, match="no campaign 'zz'"):
@@ -164,13 +180,13 @@ def test_stages(db, campaign):
     db.upsert_stage(campaign, "fully_async", 2, "pending")
     db.upsert_stage(campaign, "one_step", 1, "pending")
     before = db.stages(campaign)
-    assert [(s["name"], s["index"], s["status"]) for s in before] == [
+    assert [(s.name, s.index, s.status) for s in before] == [
         ("sync", 0, "running"), ("one_step", 1, "pending"), ("fully_async", 2, "pending")]
     db.upsert_stage(campaign, "one_step", 1, "pending")  # same again: nothing changes
     assert db.stages(campaign) == before
     db.upsert_stage(campaign, "sync", 0, "finished")
-    assert db.stages(campaign)[0]["status"] == "finished"
-    assert db.stages(campaign)[0]["promoted_candidate"] is None
+    assert db.stages(campaign)[0].status == "finished"
+    assert db.stages(campaign)[0].promoted_candidate is None
     with pytest.raises(RegistryError, match="unknown stage status"):
         db.upsert_stage(campaign, "sync", 0, "great")
     with pytest.raises(RegistryError, match="create_campaign first"):
@@ -185,7 +201,7 @@ def test_recipes(db):
     assert db.get_recipe(HASH_A) is None
     db.put_recipe(HASH_A, "base", "model: tiny\n")
     r = db.get_recipe(HASH_A)
-    assert (r["hash"], r["name"], r["yaml"]) == (HASH_A, "base", "model: tiny\n")
+    assert (r.hash, r.name, r.yaml) == (HASH_A, "base", "model: tiny\n")
     db.put_recipe(HASH_A, "base", "model: tiny\n")
     assert db.get_recipe(HASH_A) == r
 
@@ -194,21 +210,21 @@ def test_runs(db, campaign):
     run_id = db.upsert_run(campaign, "sync", "a", HASH_A)
     assert db.upsert_run(campaign, "sync", "a", HASH_A) == run_id  # same id, nothing changed
     r = db.get_run(run_id)
-    assert r["status"] == "pending" and r["started_at"] is None and r["summary"] is None
+    assert r.status == "pending" and r.started_at is None and r.summary is None
     assert db.get_run(campaign_id=campaign, stage="sync", candidate="a") == r
 
     db.upsert_run(campaign, "sync", "a", HASH_A, status="running", run_dir="/runs/c1/sync/a",
                   mlflow_run_id="abc123")
     r = db.get_run(run_id)
-    assert (r["status"], r["run_dir"], r["mlflow_run_id"]) == (
+    assert (r.status, r.run_dir, r.mlflow_run_id) == (
         "running", "/runs/c1/sync/a", "abc123")
-    assert r["started_at"] is not None and r["finished_at"] is None
+    assert r.started_at is not None and r.finished_at is None
 
     summary = {"steps": 10, "reward": {"mean": 0.47}, "checkpoint": "/runs/c1/sync/a/final"}
     db.upsert_run(campaign, "sync", "a", HASH_A, status="finished", summary=summary)
     done = db.get_run(run_id)
-    assert done["summary"] == summary and done["finished_at"] is not None
-    assert done["run_dir"] == "/runs/c1/sync/a"  # fields not given are kept
+    assert done.summary == summary and done.finished_at is not None
+    assert done.run_dir == "/runs/c1/sync/a"  # fields not given are kept
     assert db.upsert_run(campaign, "sync", "a", HASH_A, status="finished",
                          summary=summary) == run_id
     assert db.get_run(run_id) == done  # repeating the final write changes nothing
@@ -216,9 +232,9 @@ def test_runs(db, campaign):
     other = db.upsert_run(campaign, "sync", "b", HASH_B, status="rejected")
     db.upsert_run(campaign, "one_step", "a", HASH_B)
     assert other != run_id
-    assert [x["candidate"] for x in db.runs(campaign, "sync")] == ["a", "b"]
+    assert [x.candidate for x in db.runs(campaign, "sync")] == ["a", "b"]
     assert len(db.runs(campaign)) == 3
-    assert db.get_run(other)["finished_at"] is not None
+    assert db.get_run(other).finished_at is not None
     assert db.get_run(999) is None
     assert db.get_run(campaign_id=campaign, stage="sync", candidate="zz") is None
 
@@ -251,21 +267,21 @@ def test_gate_results(db, campaign):
     assert db.gate_results(run_id) == []
     db.record_gate_results(run_id, GATES)
     got = db.gate_results(run_id)
-    assert [g["name"] for g in got] == ["mismatch_k3", "reward_up"]
+    assert [g.name for g in got] == ["mismatch_k3", "reward_up"]
     g0, g1 = got
-    assert (g0["passed"], g0["value"], g0["threshold"], g0["window"]) == (
+    assert (g0.passed, g0.value, g0.threshold, g0.window) == (
         True, 0.004, 0.01, (40, 60))
-    assert g0["evidence"] == "mean over the last 20 steps"
-    assert g0["params"] == {"metric": "mismatch/k3_kl", "agg": "mean"}
-    assert g1["passed"] is False and g1["value"] is None and g1["window"] is None
-    assert g1["evidence"] == {"first": 0.39, "last": 0.40} and g1["params"] is None
-    json.dumps(got)
+    assert g0.evidence == "mean over the last 20 steps"
+    assert g0.params == {"metric": "mismatch/k3_kl", "agg": "mean"}
+    assert g1.passed is False and g1.value is None and g1.window is None
+    assert g1.evidence == {"first": 0.39, "last": 0.40} and g1.params is None
+    json.dumps([g.to_dict() for g in got])
 
     db.record_gate_results(run_id, GATES)  # the same again: rows untouched
     assert db.gate_results(run_id) == got
     db.record_gate_results(run_id, [{**GATES[0], "passed": False, "value": 0.02}])
     again = db.gate_results(run_id)
-    assert len(again) == 1 and again[0]["passed"] is False and again[0]["value"] == 0.02
+    assert len(again) == 1 and again[0].passed is False and again[0].value == 0.02
     db.record_gate_results(run_id, [])
     assert db.gate_results(run_id) == []
 
@@ -285,10 +301,10 @@ def test_auto_promotion_is_idempotent(db, campaign):
     pid = db.promote(recipe_hash=HASH_A, candidate="a", checkpoint="/runs/c1/sync/a/final",
                      campaign_id=campaign, stage="sync", mlflow_version="1")
     first = db.promoted(campaign, "sync")
-    assert first["id"] == pid and first["actor"] == "auto" and first["status"] == "active"
-    assert (first["candidate"], first["recipe_hash"], first["checkpoint"],
-            first["mlflow_version"]) == ("a", HASH_A, "/runs/c1/sync/a/final", "1")
-    assert db.stages(campaign)[0]["promoted_candidate"] == "a"
+    assert first.id == pid and first.actor == "auto" and first.status == "active"
+    assert (first.candidate, first.recipe_hash, first.checkpoint,
+            first.mlflow_version) == ("a", HASH_A, "/runs/c1/sync/a/final", "1")
+    assert db.stages(campaign)[0].promoted_candidate == "a"
 
     again = db.promote(recipe_hash=HASH_A, candidate="a", checkpoint="/elsewhere",
                        campaign_id=campaign, stage="sync", mlflow_version="2")
@@ -317,13 +333,13 @@ def test_manual_promotion_and_retire(db, campaign):
                         campaign_id=campaign, stage="sync", actor="alice",
                         reason="b has the better eval at equal stability")
     assert manual != auto
-    assert db.promoted(campaign, "sync")["id"] == manual  # the newest active one
-    assert db.stages(campaign)[0]["promoted_candidate"] == "b"
+    assert db.promoted(campaign, "sync").id == manual  # the newest active one
+    assert db.stages(campaign)[0].promoted_candidate == "b"
     global_one = db.promote(recipe_hash=HASH_A, candidate="a", checkpoint=None, actor="bob",
                             reason="baseline for the team")
     assert db.get_campaign(campaign) is not None
-    assert {p["id"] for p in db.promotions(status="active")} == {auto, manual, global_one}
-    assert {p["id"] for p in db.promotions(campaign_id=campaign)} == {auto, manual}
+    assert {p.id for p in db.promotions(status="active")} == {auto, manual, global_one}
+    assert {p.id for p in db.promotions(campaign_id=campaign)} == {auto, manual}
 
     with pytest.raises(RegistryError, match="needs a reason"):
         db.retire(manual, actor="alice", reason="")
@@ -331,23 +347,134 @@ def test_manual_promotion_and_retire(db, campaign):
         db.retire(999, actor="alice", reason="x")
     db.retire(manual, actor="alice", reason="diverged at step 300 of the next stage")
     retired = [p for p in db.promotions(status="retired")]
-    assert [p["id"] for p in retired] == [manual]
-    assert retired[0]["retired_by"] == "alice" and retired[0]["retired_at"] is not None
-    assert retired[0]["retire_reason"] == "diverged at step 300 of the next stage"
-    assert db.promoted(campaign, "sync")["id"] == auto
-    assert db.stages(campaign)[0]["promoted_candidate"] == "a"
+    assert [p.id for p in retired] == [manual]
+    assert retired[0].retired_by == "alice" and retired[0].retired_at is not None
+    assert retired[0].retire_reason == "diverged at step 300 of the next stage"
+    assert db.promoted(campaign, "sync").id == auto
+    assert db.stages(campaign)[0].promoted_candidate == "a"
     db.retire(manual, actor="carol", reason="again")  # already retired: no-op
     assert db.promotions(status="retired") == retired
 
     db.retire(auto, actor="alice", reason="superseded")
     assert db.promoted(campaign, "sync") is None
-    assert db.stages(campaign)[0]["promoted_candidate"] is None
+    assert db.stages(campaign)[0].promoted_candidate is None
     # a resumed campaign's promote task does not resurrect a retired auto promotion
     assert db.promote(recipe_hash=HASH_A, candidate="a", checkpoint="/ck/a",
                       campaign_id=campaign, stage="sync") == auto
     assert db.promoted(campaign, "sync") is None
     with pytest.raises(RegistryError, match="unknown promotion status"):
         db.promotions(status="gone")
+
+
+# ---- records ----------------------------------------------------------------------------------
+
+
+def _layout(record, expected: dict) -> None:
+    """``record.to_dict()`` is ``expected``, keys in the same order (``--json`` prints them so)."""
+    assert list(record.to_dict().items()) == list(expected.items())
+
+
+def test_reads_return_frozen_records_whose_to_dict_is_the_old_layout(db, campaign):
+    """Each read returns its typed, frozen record with the values written; ``to_dict()`` is the
+    plain dict the reads returned before records existed (written out by hand here)."""
+    summary = {"steps": 10, "reward": {"mean": 0.47}}
+    diagnosis = {"causes": [{"id": "C"}]}
+    db.set_campaign_status(campaign, "stopped", verdict="no candidate passed", diagnosis=diagnosis)
+    run_id = db.upsert_run(campaign, "sync", "a", HASH_A, status="finished",
+                           run_dir="/runs/c1/sync/a", mlflow_run_id="abc123", summary=summary)
+    db.record_gate_results(run_id, GATES)
+    pid = db.promote(recipe_hash=HASH_A, candidate="a", checkpoint="/runs/c1/sync/a/final",
+                     campaign_id=campaign, stage="sync", mlflow_version="1")
+    me = ProcessIdentity.current()
+    assert db.acquire_campaign(campaign, me, 90.0) is None
+
+    c = db.get_campaign(campaign)
+    assert isinstance(c, CampaignRecord) and db.list_campaigns() == [c]
+    _layout(c, {"id": "c1", "name": "ladder", "spec": SPEC, "status": "stopped",
+                "verdict": "no candidate passed", "diagnosis": diagnosis,
+                "created_at": c.created_at, "updated_at": c.updated_at})
+
+    (st,) = db.stages(campaign)
+    assert isinstance(st, StageRecord)
+    _layout(st, {"campaign_id": "c1", "name": "sync", "index": 0, "status": "running",
+                 "promoted_candidate": "a", "created_at": st.created_at,
+                 "updated_at": st.updated_at})
+
+    r = db.get_recipe(HASH_B)
+    assert isinstance(r, RecipeRecord)
+    _layout(r, {"hash": HASH_B, "name": "base+one_step",
+                "yaml": "model: tiny\nsteps: 10\nasync: one_step\n", "created_at": r.created_at})
+
+    run = db.get_run(run_id)
+    assert isinstance(run, RunRecord)
+    assert db.get_run(campaign_id=campaign, stage="sync", candidate="a") == run
+    assert db.runs(campaign) == db.runs(campaign, "sync") == [run]
+    assert (run.id, run.candidate, run.status, run.summary) == (run_id, "a", "finished", summary)
+    _layout(run, {
+        "id": run_id,
+        "campaign_id": "c1",
+        "stage": "sync",
+        "candidate": "a",
+        "recipe_hash": HASH_A,
+        "status": "finished",
+        "run_dir": "/runs/c1/sync/a",
+        "mlflow_run_id": "abc123",
+        "summary": {"steps": 10, "reward": {"mean": 0.47}},
+        "started_at": run.started_at,
+        "finished_at": run.finished_at,
+        "created_at": run.created_at,
+        "updated_at": run.updated_at,
+    })
+
+    g0, g1 = db.gate_results(run_id)
+    assert isinstance(g0, GateRecord) and isinstance(g1, GateRecord)
+    _layout(g0, {"run_id": run_id, "name": "mismatch_k3", "passed": True, "value": 0.004,
+                 "threshold": 0.01, "window": (40, 60), "evidence": "mean over the last 20 steps",
+                 "params": {"metric": "mismatch/k3_kl", "agg": "mean"},
+                 "created_at": g0.created_at})
+    _layout(g1, {"run_id": run_id, "name": "reward_up", "passed": False, "value": None,
+                 "threshold": 0.05, "window": None, "evidence": {"first": 0.39, "last": 0.40},
+                 "params": None, "created_at": g1.created_at})
+
+    p = db.promoted(campaign, "sync")
+    assert isinstance(p, PromotionRecord)
+    assert db.promotions(campaign_id=campaign) == db.promotions(status="active") == [p]
+    _layout(p, {
+        "id": pid,
+        "campaign_id": "c1",
+        "stage": "sync",
+        "candidate": "a",
+        "recipe_hash": HASH_A,
+        "checkpoint": "/runs/c1/sync/a/final",
+        "mlflow_version": "1",
+        "actor": "auto",
+        "reason": "",
+        "status": "active",
+        "created_at": p.created_at,
+        "retired_at": None,
+        "retired_by": None,
+        "retire_reason": None,
+    })
+
+    o = db.campaign_owner(campaign, 90.0)
+    assert isinstance(o, OwnerRecord)
+    assert o.describe.startswith(f"PID {os.getpid()} on {me.host} (since ")
+    _layout(o, {"campaign_id": "c1", "host": me.host, "pid": os.getpid(),
+                "start_ticks": me.start_ticks, "acquired_at": o.acquired_at,
+                "heartbeat_at": o.heartbeat_at, "alive": True, "describe": o.describe})
+
+    records = [c, st, r, run, g0, g1, p, o]
+    stamps = [c.created_at, c.updated_at, st.created_at, st.updated_at, r.created_at,
+              run.started_at, run.finished_at, run.created_at, run.updated_at, g0.created_at,
+              g1.created_at, p.created_at, o.acquired_at, o.heartbeat_at]
+    assert all(datetime.fromisoformat(ts).utcoffset().total_seconds() == 0 for ts in stamps)
+    json.dumps([x.to_dict() for x in records])  # JSON-ready
+    for x in records:
+        with pytest.raises(FrozenInstanceError):
+            setattr(x, fields(x)[0].name, None)
+    copy = run.to_dict()
+    copy["summary"]["steps"] = 0  # to_dict() hands out copies of the JSON values
+    assert run.summary == summary and db.get_run(run_id) == run
 
 
 # ---- concurrency ------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def test_live_owner_refuses_a_second_and_release_frees_it(db_url):
         db.acquire_campaign("c1", other, HEARTBEAT_TTL_S)
     msg = str(err.value)
     assert f"PID {os.getpid()}" in msg and "\n" not in msg and "asyncrl campaign status" in msg
-    assert err.value.owner["pid"] == os.getpid() and err.value.owner["alive"] is True
+    assert err.value.owner.pid == os.getpid() and err.value.owner.alive is True
     db.release_campaign("c1", me.token)
     assert db.campaign_owner("c1", HEARTBEAT_TTL_S) is None
     assert db.acquire_campaign("c1", other, HEARTBEAT_TTL_S) is None
@@ -57,17 +57,17 @@ def test_dead_or_reused_pid_and_stale_remote_heartbeat_are_taken_over(db_url):
     db = _db(db_url)
     dead = replace(ProcessIdentity.current(), pid=_dead_pid(), token="dead")
     db.acquire_campaign("c1", dead, HEARTBEAT_TTL_S)
-    assert db.campaign_owner("c1", HEARTBEAT_TTL_S)["alive"] is False
+    assert db.campaign_owner("c1", HEARTBEAT_TTL_S).alive is False
     me = ProcessIdentity.current()
     previous = db.acquire_campaign("c1", me, HEARTBEAT_TTL_S)
-    assert previous is not None and previous["pid"] == dead.pid
+    assert previous is not None and previous.pid == dead.pid
     db.release_campaign("c1", me.token)
 
     # this process's PID with another start time: the PID was reused, the owner is gone
     reused = replace(me, start_ticks=(me.start_ticks or 0) + 12345, token="reused")
     db.acquire_campaign("c1", reused, HEARTBEAT_TTL_S)
-    assert db.campaign_owner("c1", HEARTBEAT_TTL_S)["alive"] is False
-    assert db.acquire_campaign("c1", me, HEARTBEAT_TTL_S)["pid"] == os.getpid()
+    assert db.campaign_owner("c1", HEARTBEAT_TTL_S).alive is False
+    assert db.acquire_campaign("c1", me, HEARTBEAT_TTL_S).pid == os.getpid()
     db.release_campaign("c1", me.token)
 
     # another host: alive while its heartbeat is fresh, dead once it is older than the TTL
@@ -78,7 +78,7 @@ def test_dead_or_reused_pid_and_stale_remote_heartbeat_are_taken_over(db_url):
     with db._write() as s:
         s.execute(update(CampaignOwnerRow).values(
             heartbeat_at=utcnow() - timedelta(seconds=HEARTBEAT_TTL_S + 1)))
-    assert db.acquire_campaign("c1", me, HEARTBEAT_TTL_S)["host"] == "elsewhere.invalid"
+    assert db.acquire_campaign("c1", me, HEARTBEAT_TTL_S).host == "elsewhere.invalid"
     db.close()
 
 
@@ -101,9 +101,9 @@ def test_lease_status_crashed_after_kill(db_url, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     status, owner = effective_status(db, db.get_campaign("c1"))
-    assert status == "crashed" and owner["pid"] == proc.pid and owner["alive"] is False
+    assert status == "crashed" and owner.pid == proc.pid and owner.alive is False
     with CampaignLease(db, "c1") as lease:
-        assert lease.previous["pid"] == proc.pid
+        assert lease.previous.pid == proc.pid
         assert effective_status(db, db.get_campaign("c1"))[0] == "running"
     assert db.campaign_owner("c1", HEARTBEAT_TTL_S) is None  # released on exit
     db.close()
@@ -156,5 +156,5 @@ def test_an_owner_that_lost_the_campaign_stops_at_once(db_url):
             proc.kill()
     assert proc.returncode == -signal.SIGKILL, (out, err)
     assert "still running" not in out and "lost the ownership of campaign c1" in err
-    assert db.campaign_owner("c1", HEARTBEAT_TTL_S)["host"] == "elsewhere.invalid"
+    assert db.campaign_owner("c1", HEARTBEAT_TTL_S).host == "elsewhere.invalid"
     db.close()

@@ -124,8 +124,8 @@ def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str])
 
         home = Path(env["ASYNCRL_HOME"])
         db = RegistryDB(f"sqlite:///{home / 'registry.db'}")
-        assert db.get_campaign("dep-1")["status"] == "finished"
-        assert [p["stage"] for p in db.promotions(campaign_id="dep-1")] == ["only"]
+        assert db.get_campaign("dep-1").status == "finished"
+        assert [p.stage for p in db.promotions(campaign_id="dep-1")] == ["only"]
         db.close()
         rows = (home / "campaigns" / "dep-1" / "only" / "default" / "metrics.jsonl") \
             .read_text().splitlines()
@@ -186,9 +186,9 @@ def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
 
         home = Path(env["ASYNCRL_HOME"])
         db = RegistryDB(f"sqlite:///{home / 'registry.db'}")
-        done_campaigns = [c for c in db.list_campaigns() if c["status"] == "finished"]
-        assert done_campaigns and done_campaigns[0]["id"].startswith("deploytest-")
-        assert [p["stage"] for p in db.promotions(campaign_id=done_campaigns[0]["id"])] == [
+        done_campaigns = [c for c in db.list_campaigns() if c.status == "finished"]
+        assert done_campaigns and done_campaigns[0].id.startswith("deploytest-")
+        assert [p.stage for p in db.promotions(campaign_id=done_campaigns[0].id)] == [
             "only"]
         db.close()
     finally:
