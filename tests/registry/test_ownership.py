@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import update
@@ -123,8 +124,11 @@ def _race(url: str, barrier, results) -> None:
         db.close()
 
 
-def test_racing_processes_get_exactly_one_owner(db_url):
+def test_racing_processes_get_exactly_one_owner(db_url, monkeypatch):
     _db(db_url).close()
+    # spawned children unpickle _race from this module: they get the parent's sys.path, which
+    # holds the repository root only under `python -m pytest` (not a bare `pytest`)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(4), ctx.Queue()
     procs = [ctx.Process(target=_race, args=(db_url, barrier, results)) for _ in range(4)]
