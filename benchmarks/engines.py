@@ -33,7 +33,7 @@ from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.hf_io import read_meta
 from training.engines.mismatch import TABLE_ROWS, run_mismatch_check, task_from_meta
 from training.engines.rollout import GenerateRequest, SamplingParams
-from training.engines.train import TokenBatch
+from training.engines.train import StepConfig, TokenBatch
 from training.engines.warmstart import WarmStartConfig, warm_start
 
 
@@ -71,7 +71,8 @@ def bench_train_and_sync(ckpt: Path, sequences: int, repeats: int) -> tuple[floa
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        engine.train_step(batch, adv, old, loss_name="vanilla", loss_config=PolicyLossConfig())
+        engine.train_step(batch, adv, old, config=StepConfig(loss_name="vanilla",
+                                                             loss_config=PolicyLossConfig()))
         times.append(time.perf_counter() - t0)
     tokens_per_s = batch.num_tokens / statistics.median(times)
 

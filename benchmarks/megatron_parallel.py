@@ -32,7 +32,7 @@ import torch
 
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.model import ModelConfig
-from training.engines.train import OptimConfig, TokenBatch
+from training.engines.train import OptimConfig, StepConfig, TokenBatch
 
 OPTIM = OptimConfig(lr=1e-3)
 
@@ -76,7 +76,8 @@ def measure(engine, batch: TokenBatch, routing: str, repeats: int
         old = engine.compute_log_probs(batch, routing=routing, micro_batch_size=8).log_probs
         lp_times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        engine.train_step(batch, adv, old, routing=routing, micro_batch_size=8)
+        engine.train_step(batch, adv, old,
+                          config=StepConfig(routing=routing, micro_batch_size=8))
         step_times.append(time.perf_counter() - t0)
     return first, 1e3 * statistics.median(lp_times), 1e3 * statistics.median(step_times)
 

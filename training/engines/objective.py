@@ -29,8 +29,8 @@ import torch
 
 from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, agg_loss
 from training.engines.train import (
-    ACCUMULATION_MODES,
     LogProbResult,
+    StepConfig,
     TokenBatch,
     loss_agg_mode_for,
     micro_batch_slices,
@@ -190,11 +190,9 @@ def micro_batch_log_probs(forward: LogProbForwardFn, batch: TokenBatch, *,
 
 
 def check_train_inputs(batch: TokenBatch, advantages: torch.Tensor, old_log_prob: torch.Tensor,
-                       rollout_is_weights: torch.Tensor | None, accumulation: str) -> None:
-    """ValueError naming the fix unless the step's tensors are (B, T) and the mode is known."""
-    if accumulation not in ACCUMULATION_MODES:
-        raise ValueError(f"accumulation={accumulation!r}; use one of "
-                         f"{', '.join(ACCUMULATION_MODES)}")
+                       rollout_is_weights: torch.Tensor | None) -> None:
+    """ValueError naming the fix unless the step's tensors are (B, T) (the settings were checked
+    when their :class:`StepConfig` was built)."""
     shape = (batch.batch_size, batch.response_len)
     named = {"advantages": advantages, "old_log_prob": old_log_prob}
     if rollout_is_weights is not None:
@@ -220,20 +218,21 @@ class PolicyObjective:
     entropy_coeff: float
 
     @classmethod
-    def build(cls, batch: TokenBatch, advantages: torch.Tensor, old_log_prob: torch.Tensor, *,
-              loss_name: str, loss_config: PolicyLossConfig | None,
-              rollout_is_weights: torch.Tensor | None, entropy_coeff: float,
+    def build(cls, batch: TokenBatch, advantages: torch.Tensor, old_log_prob: torch.Tensor,
+              rollout_is_weights: torch.Tensor | None, config: StepConfig, *,
               device: torch.device) -> PolicyObjective:
-        loss_fn = POLICY_LOSSES.get(loss_name)
-        cfg = loss_config or PolicyLossConfig()
+        """The objective of one step: ``config``'s loss, loss settings and entropy bonus on the
+        step's (B, T) tensors, moved to ``device``."""
+        loss_fn = POLICY_LOSSES.get(config.loss_name)
+        cfg = config.loss_config or PolicyLossConfig()
         return cls(
-            loss_fn=loss_fn, config=cfg, agg_mode=loss_agg_mode_for(loss_name, cfg),
+            loss_fn=loss_fn, config=cfg, agg_mode=loss_agg_mode_for(config.loss_name, cfg),
             mask=batch.response_mask.to(device),
             advantages=advantages.detach().to(device, torch.float32),
             old_log_prob=old_log_prob.detach().to(device, torch.float32),
             rollout_is_weights=(None if rollout_is_weights is None
                                 else rollout_is_weights.detach().to(device)),
-            entropy_coeff=entropy_coeff)
+            entropy_coeff=config.entropy_coeff)
 
     def __call__(self, lp: torch.Tensor, ent: torch.Tensor, rows: slice | None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -267,7 +266,7 @@ class Accumulated:
 
 
 def accumulate_gradients(batch: TokenBatch, objective: PolicyObjective, forward: ForwardFn, *,
-                         micro_batch_size: int | None, accumulation: str, device: torch.device,
+                         config: StepConfig, device: torch.device,
                          owned: Callable[[int], bool] | None = None) -> Accumulated:
     """Backward the step's loss micro-batch by micro-batch (see the module docstring).
 
@@ -275,20 +274,20 @@ def accumulate_gradients(batch: TokenBatch, objective: PolicyObjective, forward:
         batch: the global batch.
         objective: its :class:`PolicyObjective`.
         forward: ``forward(rows, grad)`` → (log-probs, entropy) of ``batch.select(rows)``.
-        micro_batch_size: rows per forward (None = all).
-        accumulation: ``scaled`` or ``full_batch``.
+        config: the step's settings; reads ``micro_batch_size`` (rows per forward, None = all)
+            and ``accumulation`` (``scaled`` or ``full_batch``).
         device: where the backend's tensors live.
         owned: ``owned(i)`` is True for the micro-batches (by index) this process backwards;
             None = all of them. Rows without loss tokens are never forwarded.
     """
     shape = (batch.batch_size, batch.response_len)
     mask = objective.mask
-    slices = micro_batch_slices(batch.batch_size, micro_batch_size)
+    slices = micro_batch_slices(batch.batch_size, config.micro_batch_size)
     mine = [owned is None or owned(i) for i in range(len(slices))]
     active = [s for s in slices if bool(mask[s].any())]  # rows without loss tokens: no grad
     acc = Accumulated(entropies=torch.zeros(shape, device=device), micro_batches=len(slices))
     entropies = acc.entropies
-    if accumulation == "scaled":
+    if config.accumulation == "scaled":
         weights = micro_batch_weights(batch.response_mask, slices, objective.agg_mode)
         for s, w, run_here in zip(slices, weights, mine, strict=True):
             if s not in active or not run_here:

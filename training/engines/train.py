@@ -34,7 +34,7 @@ whose next token the model computed (positions 0 .. P+O−2). Modes:
 Replayed experts fix *which* experts run; their mixing weights still come from the router's
 softmax, so the router keeps its gradient.
 
-Micro-batching (``train_step(micro_batch_size=...)``): the gradient is that of the *global* batch
+Micro-batching (``StepConfig.micro_batch_size``): the gradient is that of the *global* batch
 loss, whatever the split. Default ``accumulation="scaled"``: micro-batch m's loss, aggregated by the
 loss's own ``loss_agg_mode`` over its rows, is multiplied by :func:`micro_batch_weights` before
 ``backward`` — its share of the global normaliser (valid tokens for ``token-mean``, non-empty
@@ -58,11 +58,12 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from training.algorithms.policy_loss import PolicyLossConfig
+from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig
 from training.engines.hf_io import CheckpointError
 
 __all__ = [
     "ACCUMULATION_MODES",
+    "DEFAULT_STEP_CONFIG",
     "LR_SCHEDULES",
     "ROUTING_MODES",
     "SEQUENCE_OBJECTIVE_LOSSES",
@@ -70,8 +71,10 @@ __all__ = [
     "LogProbResult",
     "OptimConfig",
     "SnapshotUnavailableError",
+    "StepConfig",
     "TokenBatch",
     "TrainEngine",
+    "check_temperature",
     "loss_agg_mode_for",
     "lr_multiplier",
     "micro_batch_slices",
@@ -387,6 +390,60 @@ def lr_multiplier(cfg: OptimConfig, step: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
+# Train-step settings
+# ------------------------------------------------------------------------------------------------
+
+
+def check_temperature(temperature: float) -> None:
+    """ValueError naming the fix unless ``temperature`` is a finite number > 0."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got "
+                         f"{temperature}; greedy rollouts have no sampling distribution — score "
+                         "them at temperature 1.0")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The settings of :meth:`TrainEngine.train_step` that stay the same for a whole run (the
+    learner builds one from the recipe); the per-step tensors and versions are arguments.
+
+    Frozen and picklable: the Megatron engine sends it to its rank actors as it is.
+    """
+
+    loss_name: str = "vanilla"
+    """Registered policy loss (:data:`training.algorithms.policy_loss.POLICY_LOSSES`)."""
+    loss_config: PolicyLossConfig | None = None
+    """The loss's settings (None = ``PolicyLossConfig()``)."""
+    routing: str = "free"
+    """``free`` | ``r2`` | ``r3`` (see the module docstring); R2's reference version is the
+    per-step ``r2_version`` argument."""
+    temperature: float = 1.0
+    """The rollout's sampling temperature (> 0): log-probs are of ``softmax(logits / T)``."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward (None = the whole batch); the gradient is the global batch's
+    whatever the split (see ``accumulation``)."""
+    entropy_coeff: float = 0.0
+    """Subtracts ``coeff · agg(entropy)`` (the loss's aggregation mode) from the loss."""
+    accumulation: str = "scaled"
+    """``scaled`` | ``full_batch`` (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        POLICY_LOSSES.get(self.loss_name)  # KeyError listing the registered losses
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"routing={self.routing!r}; use one of {', '.join(ROUTING_MODES)}")
+        check_temperature(self.temperature)
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or None, got "
+                             f"{self.micro_batch_size}")
+        if self.accumulation not in ACCUMULATION_MODES:
+            raise ValueError(f"accumulation={self.accumulation!r}; use one of "
+                             f"{', '.join(ACCUMULATION_MODES)}")
+
+
+DEFAULT_STEP_CONFIG = StepConfig()
+
+
+# ------------------------------------------------------------------------------------------------
 # Micro-batch aggregation
 # ------------------------------------------------------------------------------------------------
 
@@ -477,17 +534,15 @@ class TrainEngine(Protocol):
         advantages: torch.Tensor,
         old_log_prob: torch.Tensor,
         *,
-        loss_name: str = "vanilla",
-        loss_config: PolicyLossConfig | None = None,
         rollout_is_weights: torch.Tensor | None = None,
-        routing: str = "free",
         r2_version: int | None = None,
-        temperature: float = 1.0,
-        micro_batch_size: int | None = None,
-        entropy_coeff: float = 0.0,
-        accumulation: str = "scaled",
+        config: StepConfig = DEFAULT_STEP_CONFIG,
     ) -> dict[str, float]:
         """One optimizer step on ``batch`` (advantages, old_log_prob, IS weights: (B, T)).
+
+        ``r2_version``: the version whose routes ``routing='r2'`` replays (None = this step's
+        own weights); ``config``: the run's loss, routing, temperature, micro-batching, entropy
+        bonus and accumulation mode (:class:`StepConfig`).
 
         Returns metrics: ``train/loss``, ``train/grad_norm`` (before clipping), ``train/lr``,
         ``train/entropy``, ``train/weight_version`` … plus the loss's own ``policy/*`` metrics.

@@ -52,7 +52,8 @@ model once). One :meth:`Learner.step`:
    (:func:`policy_loss_config`).
 8. **Trains**: for each epoch, one ``train_step`` per mini-batch of consecutive groups
    (``async.require_batches`` mini-batches; the last takes the remainder), with
-   ``old_log_prob = π_prox``; R2 replays the routes of the step's start version.
+   ``old_log_prob = π_prox`` and the run's :class:`~training.engines.train.StepConfig`
+   (:func:`step_config`, built once); R2 replays the routes of the step's start version.
 9. **Metrics**: one flat dict of floats (DESIGN.md "Metrics"), see :meth:`Learner.step`.
 10. **EWMA** (``ewma`` only): the reference is updated with the new parameters.
 
@@ -100,7 +101,13 @@ from training.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     compute_rollout_correction_and_rejection_mask,
 )
-from training.engines.train import OptimConfig, SnapshotUnavailableError, TokenBatch, TrainEngine
+from training.engines.train import (
+    OptimConfig,
+    SnapshotUnavailableError,
+    StepConfig,
+    TokenBatch,
+    TrainEngine,
+)
 from training.recipe import (
     CompISCorrection,
     CorrectionSpec,
@@ -123,6 +130,7 @@ __all__ = [
     "policy_loss_config",
     "proximal_and_old",
     "repetition_rate",
+    "step_config",
 ]
 
 log = logging.getLogger("asyncrl.runtime")
@@ -187,12 +195,10 @@ class _Policies:
 
 @dataclass
 class _Correction:
-    """IS weights (or None), kept tokens, loss choice and metrics."""
+    """IS weights (or None), kept tokens and metrics."""
 
     weights: torch.Tensor | None
     keep: torch.Tensor
-    loss_name: str
-    loss_config: PolicyLossConfig
     metrics: dict[str, float]
 
 
@@ -231,6 +237,31 @@ def policy_loss_config(recipe: Recipe,
                             clip_ratio_high=loss.clip_ratio_high,
                             clip_ratio_c=loss.clip_ratio_c, loss_scale_factor=scale,
                             rollout_correction=rollout_correction)
+
+
+def _correction_preset(recipe: Recipe) -> RolloutCorrectionConfig | None:
+    """The :class:`RolloutCorrectionConfig` of a ``{kind: preset}`` correction, else None."""
+    correction = recipe.algorithm.correction
+    if correction.kind != "preset":
+        return None
+    return PRESETS[correction.name](**correction.args)
+
+
+def step_config(recipe: Recipe) -> StepConfig:
+    """The engine :class:`StepConfig` of every ``train_step`` of a run: the recipe's loss (a
+    bypass rollout-correction preset switches it to ``bypass_mode`` with the preset's IS/RS
+    settings), the train routing of ``algorithm.routing_replay``, ``rollout.temperature``,
+    ``optim.micro_batch_size`` and the loss's ``entropy_coeff``."""
+    alg = recipe.algorithm
+    preset = _correction_preset(recipe)
+    loss_name, loss_cfg = alg.loss.name, policy_loss_config(recipe)
+    if preset is not None and preset.bypass_mode:  # bypass_mode computes IS/RS between π_θ and μ
+        loss_name, loss_cfg = "bypass_mode", policy_loss_config(recipe, preset)
+    return StepConfig(loss_name=loss_name, loss_config=loss_cfg,
+                      routing={"r3": "r3", "r2": "r2"}.get(alg.routing_replay, "free"),
+                      temperature=recipe.rollout.temperature,
+                      micro_batch_size=recipe.optim.micro_batch_size,
+                      entropy_coeff=alg.loss.entropy_coeff)
 
 
 def repetition_rate(responses: Sequence[Sequence[int]], n: int = REPETITION_NGRAM) -> float:
@@ -473,15 +504,14 @@ class Learner:
         self._version_to_step: Callable[[int], int] | None = None
         self._current_step = 0
         alg = recipe.algorithm
-        self._preset: RolloutCorrectionConfig | None = (
-            PRESETS[alg.correction.name](**alg.correction.args)
-            if alg.correction.kind == "preset" else None)
+        self._preset = _correction_preset(recipe)
         self.bypass_preset = self._preset is not None and self._preset.bypass_mode
         self.old_strategy = "bypass" if self.bypass_preset else alg.old_logprob
         if alg.loss.name == "bypass_mode" and not self.bypass_preset:
             raise ValueError("algorithm.loss.name=bypass_mode takes its IS/RS settings from a "
                              "bypass rollout-correction preset: set algorithm.correction to "
                              "{kind: preset, name: bypass_ppo_clip} (or another bypass_* preset)")
+        self.step_config = step_config(recipe)
         self._kl_ctrl: FixedKLController | AdaptiveKLController | None = None
         self._reference: TrainEngine | None = None
         if alg.kl.mode == "in_reward":
@@ -535,10 +565,6 @@ class Learner:
     def _forward_routing(self) -> str:
         """Routing of the no-grad forwards: rollout routes for R3, the router's own otherwise."""
         return "r3" if self._replay == "r3" else "free"
-
-    @property
-    def _train_routing(self) -> str:
-        return {"r3": "r3", "r2": "r2"}.get(self._replay, "free")
 
     def _is_moe(self) -> bool:
         cfg = getattr(self.engine, "config", None)
@@ -816,19 +842,12 @@ class Learner:
         return rewards - beta * kl, {"kl/value": value, "kl/coef": beta}
 
     # --- correction -----------------------------------------------------------------------------
-    def _loss_config(self, rollout_correction: RolloutCorrectionConfig | None = None
-                     ) -> PolicyLossConfig:
-        return policy_loss_config(self.recipe, rollout_correction)
-
     def _correct(self, packed: _Packed, p: _Policies, advantages: torch.Tensor) -> _Correction:
         """IS weights and kept tokens of ``algorithm.correction`` (:func:`apply_correction`),
         then M2PO / OPSM; with ``ewma``, ``old/ewma_mask_frac`` for the reference's reset."""
         alg = self.recipe.algorithm
         mask = packed.batch.response_mask
         mu = packed.rollout_log_prob
-        loss_name, loss_cfg = alg.loss.name, self._loss_config()
-        if self.bypass_preset:  # the bypass_mode loss computes IS/RS between π_θ and μ
-            loss_name, loss_cfg = "bypass_mode", self._loss_config(self._preset)
         applied = apply_correction(alg.correction, self._preset, p.proximal, p.old, mu, mask)
         weights, keep, metrics = applied.weights, applied.keep, dict(applied.metrics)
         if self.ewma_config is not None:
@@ -842,7 +861,7 @@ class Learner:
             keep = keep & op.keep_mask
             metrics.update(op.metrics)
         metrics["rs/keep_frac"] = int(keep.sum()) / max(int(mask.sum()), 1)
-        return _Correction(weights, keep, loss_name, loss_cfg, metrics)
+        return _Correction(weights, keep, metrics)
 
     @staticmethod
     def _ewma_mask_frac(applied: AppliedCorrection, old: torch.Tensor, mu: torch.Tensor,
@@ -866,13 +885,9 @@ class Learner:
             for rows in packed.minibatch_rows:
                 steps.append(self.engine.train_step(
                     batch.select(rows), advantages[rows], proximal[rows],
-                    loss_name=corr.loss_name, loss_config=corr.loss_config,
                     rollout_is_weights=None if corr.weights is None else corr.weights[rows],
-                    routing=self._train_routing,
                     r2_version=start_version if self._replay == "r2" else None,
-                    temperature=self.recipe.rollout.temperature,
-                    micro_batch_size=optim.micro_batch_size,
-                    entropy_coeff=self.recipe.algorithm.loss.entropy_coeff))
+                    config=self.step_config))
         return self._policy_metrics(steps)
 
     @staticmethod

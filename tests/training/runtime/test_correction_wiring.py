@@ -14,13 +14,14 @@ from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig
 from training.algorithms.rollout_correction import PRESETS
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.model import ModelConfig
-from training.engines.train import OptimConfig, TokenBatch
+from training.engines.train import OptimConfig, StepConfig, TokenBatch
 from training.recipe import OLD_LOGPROB_STRATEGIES, RecipeError, recipe_from_dict
 from training.runtime.learner import (
     Learner,
     apply_correction,
     policy_loss_config,
     proximal_and_old,
+    step_config,
 )
 from training.runtime.types import Group, Sample
 
@@ -235,6 +236,25 @@ def test_loss_scale_factor_overrides_the_response_cap():
     assert policy_loss_config(recipe_from_dict({})).loss_scale_factor == 32.0  # the default cap
 
 
+def test_step_config_is_the_recipes_train_settings():
+    recipe = recipe_from_dict({
+        "model": {"kind": "warmstart", "moe_experts": 4},
+        "algorithm": {"routing_replay": "r2", "loss": {"name": "gspo", "entropy_coeff": 0.01}},
+        "rollout": {"temperature": 0.7}, "optim": {"micro_batch_size": 4}})
+    assert step_config(recipe) == StepConfig(
+        loss_name="gspo", loss_config=policy_loss_config(recipe), routing="r2", temperature=0.7,
+        micro_batch_size=4, entropy_coeff=0.01, accumulation="scaled")
+    assert step_config(recipe_from_dict({"model": {"kind": "warmstart", "moe_experts": 4},
+                                         "algorithm": {"routing_replay": "none"}})
+                       ).routing == "free"
+    # a bypass preset trains bypass_mode with the preset's IS/RS settings
+    bypass = recipe_from_dict({"algorithm": {"correction": {"kind": "preset",
+                                                            "name": "bypass_ppo_clip"}}})
+    cfg = step_config(bypass)
+    assert cfg.loss_name == "bypass_mode"
+    assert cfg.loss_config == policy_loss_config(bypass, PRESETS["bypass_ppo_clip"]())
+
+
 def test_dr_grpo_engine_step_loss_is_the_same_at_two_padded_widths():
     """Through the trainer: the 4-token sequence alone, and batched with a loss-masked 8-token
     one (padded width 8, two micro-batches), gives the same policy loss."""
@@ -254,8 +274,8 @@ def test_dr_grpo_engine_step_loss_is_the_same_at_two_padded_widths():
         old = eng.compute_log_probs(batch).log_probs - 0.05
         adv = torch.zeros(old.shape)
         adv[0, :4] = torch.tensor([1.0, -0.5, 0.25, 2.0])
-        m = eng.train_step(batch, adv, old, loss_name="vanilla", loss_config=loss_cfg,
-                           micro_batch_size=1)
+        m = eng.train_step(batch, adv, old, config=StepConfig(
+            loss_name="vanilla", loss_config=loss_cfg, micro_batch_size=1))
         losses.append(m["train/pg_loss"])
     assert losses[0] == pytest.approx(-math.exp(0.05) * 2.75 / 32, rel=1e-4)
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)

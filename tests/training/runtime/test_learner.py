@@ -428,16 +428,18 @@ def test_require_batches_and_epochs_count_optimizer_steps():
 def test_uneven_groups_last_minibatch_takes_remainder():
     eng = _engine()
     learner = Learner(eng, _recipe(**{"async": {"mode": "sync", "require_batches": 2}}))
-    sizes = []
+    sizes, configs = [], []
     real = eng.train_step
 
     def record(batch, *a, **kw):
         sizes.append(batch.batch_size)
+        configs.append(kw["config"])
         return real(batch, *a, **kw)
 
     eng.train_step = record
     learner.step(_groups(eng, n_groups=5, n=2), step=0)
     assert sizes == [4, 6]  # groups 0-1 and 2-4
+    assert all(c is learner.step_config for c in configs)  # built once, from the recipe
 
 
 def test_zero_variance_group_gets_zero_advantage():

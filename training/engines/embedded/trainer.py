@@ -48,7 +48,6 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.hf_io import (
     CheckpointError,
     check_hf_dir,
@@ -72,10 +71,13 @@ from training.engines.objective import (
 )
 from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
+    DEFAULT_STEP_CONFIG,
     LogProbResult,
     OptimConfig,
     SnapshotUnavailableError,
+    StepConfig,
     TokenBatch,
+    check_temperature,
     lr_multiplier,
 )
 from training.tasks.tokenizer import CharTokenizer
@@ -429,7 +431,7 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         micro_batch_size: int | None = None,
     ) -> LogProbResult:
         """See :meth:`training.engines.train.TrainEngine.compute_log_probs`."""
-        _check_temperature(temperature)
+        check_temperature(temperature)
         if isinstance(version, torch.Tensor):
             return self._log_probs_per_token_version(batch, version, routing, temperature,
                                                      with_entropy, r2_version, micro_batch_size)
@@ -481,7 +483,7 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         Returns:
             :class:`LogProbResult` with (B, T) log-probs, ``weight_version=None``.
         """
-        _check_temperature(temperature)
+        check_temperature(temperature)
         self._check_weights(weights)
         if routing == "r2" and r2_version is None:
             raise ValueError("routing='r2' with explicit weights needs r2_version (the version "
@@ -532,49 +534,41 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         advantages: torch.Tensor,
         old_log_prob: torch.Tensor,
         *,
-        loss_name: str = "vanilla",
-        loss_config: PolicyLossConfig | None = None,
         rollout_is_weights: torch.Tensor | None = None,
-        routing: str = "free",
         r2_version: int | None = None,
-        temperature: float = 1.0,
-        micro_batch_size: int | None = None,
-        entropy_coeff: float = 0.0,
-        accumulation: str = "scaled",
+        config: StepConfig = DEFAULT_STEP_CONFIG,
     ) -> dict[str, float]:
         """One optimizer step: see :meth:`training.engines.train.TrainEngine.train_step`.
 
-        ``entropy_coeff`` > 0 subtracts ``coeff · agg(entropy)`` (same aggregation mode as the
-        loss) from the loss. Metrics: ``train/loss`` (total), ``train/pg_loss``,
+        ``config.entropy_coeff`` > 0 subtracts ``coeff · agg(entropy)`` (same aggregation mode
+        as the loss) from the loss. Metrics: ``train/loss`` (total), ``train/pg_loss``,
         ``train/entropy`` (token-mean over the response mask), ``train/grad_norm`` (global L2,
         before clipping), ``train/lr``, ``train/skipped_step``, ``train/weight_version`` (after
         the step), ``train/step``, token counts, ``train/step_time_s``, ``train/tokens_per_s``
         (real prompt + response tokens per second) and the loss's ``policy/*`` metrics.
         """
         t0 = time.perf_counter()
-        _check_temperature(temperature)
-        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights, accumulation)
+        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights)
         dev = self.device
-        objective = PolicyObjective.build(
-            batch, advantages, old_log_prob, loss_name=loss_name, loss_config=loss_config,
-            rollout_is_weights=rollout_is_weights, entropy_coeff=entropy_coeff, device=dev)
+        objective = PolicyObjective.build(batch, advantages, old_log_prob, rollout_is_weights,
+                                          config, device=dev)
         version = self._version
-        replay = self._replay_for(batch, routing, version, r2_version)
+        replay = self._replay_for(batch, config.routing, version, r2_version)
         record = replay is None and self.model.config.is_moe
 
         def forward(s: slice, grad: bool):
             with torch.set_grad_enabled(grad):
                 mb = batch.select(s)
                 lp, ent, routes = self._forward(self.model, mb, None if replay is None
-                                                else replay[s], temperature, with_entropy=True)
+                                                else replay[s], config.temperature,
+                                                with_entropy=True)
             if record and routes is not None:
                 self._remember_routes(mb, version, routes)
             return lp, ent
 
         self.model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        acc = accumulate_gradients(batch, objective, forward, micro_batch_size=micro_batch_size,
-                                   accumulation=accumulation, device=dev)
+        acc = accumulate_gradients(batch, objective, forward, config=config, device=dev)
         metrics = merge_loss_metrics(acc.parts)
         grad_norm = self._clip_gradients()
         lr = self.optim.lr * lr_multiplier(self.optim, self._step)
@@ -703,13 +697,6 @@ def _blank_model(cfg: ModelConfig) -> CausalLM:
     torch RNG (so creating it never changes what a resumed run draws)."""
     with torch.random.fork_rng(devices=[]):
         return CausalLM(cfg)
-
-
-def _check_temperature(temperature: float) -> None:
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be > 0 (the rollout's sampling temperature), got "
-                         f"{temperature}; greedy rollouts have no sampling distribution — score "
-                         "them at temperature 1.0")
 
 
 def _check_trainer_dir(directory: str | Path) -> Path:

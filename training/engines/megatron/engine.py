@@ -28,9 +28,14 @@ from typing import Any
 
 import torch
 
-from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.model import ModelConfig
-from training.engines.train import LogProbResult, OptimConfig, TokenBatch
+from training.engines.train import (
+    DEFAULT_STEP_CONFIG,
+    LogProbResult,
+    OptimConfig,
+    StepConfig,
+    TokenBatch,
+)
 
 __all__ = [
     "DEFAULT_ROUTE_CACHE_SEQUENCES",
@@ -307,20 +312,17 @@ class MegatronTrainEngine:
                                 r2_version=r2_version, micro_batch_size=micro_batch_size)
 
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor,
-                   old_log_prob: torch.Tensor, *, loss_name: str = "vanilla",
-                   loss_config: PolicyLossConfig | None = None,
-                   rollout_is_weights: torch.Tensor | None = None, routing: str = "free",
-                   r2_version: int | None = None, temperature: float = 1.0,
-                   micro_batch_size: int | None = None, entropy_coeff: float = 0.0,
-                   accumulation: str = "scaled") -> dict[str, float]:
+                   old_log_prob: torch.Tensor, *,
+                   rollout_is_weights: torch.Tensor | None = None,
+                   r2_version: int | None = None,
+                   config: StepConfig = DEFAULT_STEP_CONFIG) -> dict[str, float]:
         """See :meth:`training.engines.train.TrainEngine.train_step` (same metrics as the embedded
-        engine; ``train/step_time_s`` is measured on rank 0)."""
+        engine; ``train/step_time_s`` is measured on rank 0). ``config`` reaches every rank as
+        it is (a frozen, picklable dataclass)."""
         t0 = time.perf_counter()
         metrics = self._ranks.call(
-            "train_step", batch, advantages, old_log_prob, loss_name=loss_name,
-            loss_config=loss_config, rollout_is_weights=rollout_is_weights, routing=routing,
-            r2_version=r2_version, temperature=temperature, micro_batch_size=micro_batch_size,
-            entropy_coeff=entropy_coeff, accumulation=accumulation)
+            "train_step", batch, advantages, old_log_prob,
+            rollout_is_weights=rollout_is_weights, r2_version=r2_version, config=config)
         self._version = int(metrics["train/weight_version"])
         self._step = int(metrics["train/step"])
         metrics["train/call_time_s"] = time.perf_counter() - t0

@@ -72,11 +72,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from training.algorithms.is_correction import EWMAConfig, EWMAState, ewma_update
-from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.embedded.trainer import (
     RetainedState,
     SnapshotStore,
-    _check_temperature,
     _optim_config_state,
     _optim_from_state,
     _read_routes,
@@ -117,10 +115,13 @@ from training.engines.objective import (
 )
 from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
+    DEFAULT_STEP_CONFIG,
     LogProbResult,
     OptimConfig,
     SnapshotUnavailableError,
+    StepConfig,
     TokenBatch,
+    check_temperature,
     lr_multiplier,
     micro_batch_slices,
     sequence_key,
@@ -732,7 +733,7 @@ class MegatronRank(RetainedState, RouteReplay):
                           version: int | torch.Tensor | None = None, temperature: float = 1.0,
                           with_entropy: bool = True, r2_version: int | None = None,
                           micro_batch_size: int | None = None) -> LogProbResult:
-        _check_temperature(temperature)
+        check_temperature(temperature)
         if isinstance(version, torch.Tensor):
             return log_probs_per_token_version(
                 self.compute_log_probs, batch, version, routing=routing, temperature=temperature,
@@ -809,7 +810,7 @@ class MegatronRank(RetainedState, RouteReplay):
         """Log-probs of ``batch`` under the EWMA reference (the embedded engine's
         ``compute_log_probs_with_weights`` with the reference it would be given); no version,
         routes chosen here are not remembered."""
-        _check_temperature(temperature)
+        check_temperature(temperature)
         if self._ewma is None:
             raise ValueError("no EWMA reference yet; call ewma_update first")
         if routing == "r2" and r2_version is None:
@@ -824,31 +825,27 @@ class MegatronRank(RetainedState, RouteReplay):
 
     # --- training -----------------------------------------------------------------------------
     def train_step(self, batch: TokenBatch, advantages: torch.Tensor,
-                   old_log_prob: torch.Tensor, *, loss_name: str = "vanilla",
-                   loss_config: PolicyLossConfig | None = None,
-                   rollout_is_weights: torch.Tensor | None = None, routing: str = "free",
-                   r2_version: int | None = None, temperature: float = 1.0,
-                   micro_batch_size: int | None = None, entropy_coeff: float = 0.0,
-                   accumulation: str = "scaled") -> dict[str, float]:
+                   old_log_prob: torch.Tensor, *,
+                   rollout_is_weights: torch.Tensor | None = None,
+                   r2_version: int | None = None,
+                   config: StepConfig = DEFAULT_STEP_CONFIG) -> dict[str, float]:
         """One optimizer step (``TrainEngine.train_step``; the same metrics as the embedded
         engine)."""
         from megatron.core.distributed import finalize_model_grads
 
         t0 = time.perf_counter()
-        _check_temperature(temperature)
-        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights, accumulation)
+        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights)
         dev = self.device
-        objective = PolicyObjective.build(
-            batch, advantages, old_log_prob, loss_name=loss_name, loss_config=loss_config,
-            rollout_is_weights=rollout_is_weights, entropy_coeff=entropy_coeff, device=dev)
+        objective = PolicyObjective.build(batch, advantages, old_log_prob, rollout_is_weights,
+                                          config, device=dev)
         version = self._version
-        replay = self._replay_for(batch, routing, version, r2_version)
+        replay = self._replay_for(batch, config.routing, version, r2_version)
         record = replay is None and self.config().is_moe
         recorded: list[tuple[str, torch.Tensor]] = []
 
         dp, dp_rank, dp_group = self._dp()
         # the micro-batches with loss tokens, shared out over the DP ranks in rounds
-        slices = micro_batch_slices(batch.batch_size, micro_batch_size)
+        slices = micro_batch_slices(batch.batch_size, config.micro_batch_size)
         rounds = Rounds.of(batch, [s for s in slices if bool(objective.mask[s].any())], dp,
                            dp_rank)
         owned = {s.start for s in rounds.mine if s is not None}
@@ -860,7 +857,7 @@ class MegatronRank(RetainedState, RouteReplay):
             with torch.set_grad_enabled(grad):
                 mb = batch.select(s)
                 lp, ent, routes = self._forward(self.ddp, mb, None if replay is None
-                                                else replay[s], temperature, True, pad)
+                                                else replay[s], config.temperature, True, pad)
             if record and routes is not None:
                 self._remember_routes(mb, version, routes)
                 recorded.extend((sequence_key(mb, i), r) for i, r in enumerate(routes))
@@ -870,8 +867,7 @@ class MegatronRank(RetainedState, RouteReplay):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         acc = accumulate_gradients(
-            batch, objective, forward, micro_batch_size=micro_batch_size,
-            accumulation=accumulation, device=dev,
+            batch, objective, forward, config=config, device=dev,
             owned=None if dp == 1 else (lambda i: slices[i].start in owned))
         if self._lockstep:
             # a rank without a slice in the last round still enters its collectives: a padded
@@ -880,7 +876,7 @@ class MegatronRank(RetainedState, RouteReplay):
                 if s is None:
                     lp, ent, _ = self._forward(self.ddp, batch.select(r[0]),
                                                None if replay is None else replay[r[0]],
-                                               temperature, True, shape)
+                                               config.temperature, True, shape)
                     (lp.sum() * 0.0 + ent.sum() * 0.0).backward()
         loss, pg_loss, parts, entropies = acc.loss, acc.pg_loss, acc.parts, acc.entropies
         assert entropies is not None
@@ -888,7 +884,7 @@ class MegatronRank(RetainedState, RouteReplay):
             shared: list[Any] = [None] * dp
             dist.all_gather_object(shared, (loss, pg_loss, parts, entropies.cpu(), recorded),
                                    group=dp_group)
-            if accumulation == "scaled":
+            if config.accumulation == "scaled":
                 loss = sum(x[0] for x in shared)
                 pg_loss = sum(x[1] for x in shared)
                 parts = [p for x in shared for p in x[2]]

@@ -1,17 +1,21 @@
 """EmbeddedTrainEngine: log-probs, entropy, routing replay, micro-batching, snapshots, updates."""
 
+import dataclasses
 import itertools
 import math
+import pickle
 
 import pytest
 import torch
 
-from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig
+from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, agg_loss
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.model import CausalLM, ModelConfig
 from training.engines.train import (
+    DEFAULT_STEP_CONFIG,
     OptimConfig,
     SnapshotUnavailableError,
+    StepConfig,
     TokenBatch,
     TrainEngine,
     sequence_key,
@@ -181,8 +185,9 @@ def test_micro_batching_gives_the_big_batch_gradient(loss_name, agg, entropy_coe
     for mbs in (None, 2, 3):
         eng = _engine()
         grads = _capture_grads(eng)
-        m = eng.train_step(batch, adv, old, loss_name=loss_name, loss_config=cfg,
-                           micro_batch_size=mbs, entropy_coeff=entropy_coeff)
+        m = eng.train_step(batch, adv, old, config=StepConfig(
+            loss_name=loss_name, loss_config=cfg, micro_batch_size=mbs,
+            entropy_coeff=entropy_coeff))
         torch.testing.assert_close(m["train/loss"], loss.item(), atol=1e-6, rtol=1e-6)
         for n, g in expected.items():
             torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=f"{mbs} {n}")
@@ -196,15 +201,86 @@ def test_full_batch_accumulation_is_exact_for_batch_statistic_losses():
     old = _engine().compute_log_probs(batch).log_probs - 0.1
     big = _engine()
     grads_big = _capture_grads(big)
-    big.train_step(batch, adv, old, loss_name="kl_cov", loss_config=cfg)
+    big.train_step(batch, adv, old, config=StepConfig(loss_name="kl_cov", loss_config=cfg))
     expected = dict(grads_big)
     eng = _engine()
     grads = _capture_grads(eng)
-    m = eng.train_step(batch, adv, old, loss_name="kl_cov", loss_config=cfg, micro_batch_size=2,
-                       accumulation="full_batch")
+    m = eng.train_step(batch, adv, old, config=StepConfig(
+        loss_name="kl_cov", loss_config=cfg, micro_batch_size=2, accumulation="full_batch"))
     for n, g in expected.items():
         torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5)
     assert m["policy/kl_cov/selected_frac"] > 0
+
+
+_TIMINGS = ("train/step_time_s", "train/tokens_per_s")
+
+
+def _same_step(a, b, ma, mb):
+    """Bitwise-equal metrics (timings aside) and weights of two engines after a step."""
+    assert {k: v for k, v in ma.items() if k not in _TIMINGS} == \
+        {k: v for k, v in mb.items() if k not in _TIMINGS}
+    wb = dict(b.model.named_parameters())
+    assert all(torch.equal(p, wb[n]) for n, p in a.model.named_parameters())
+
+
+def test_step_config_carries_each_setting_into_the_step():
+    """Every field of a non-default StepConfig reaches the step as the loose keywords did: the
+    step's loss, policy loss, entropy and micro-batch count are the hand-built ones for those
+    values; a pickled copy (what the Megatron ranks receive) trains bit for bit the same; the
+    defaults are today's and train like the same values spelt out; the config is frozen."""
+    # kl_cov picks the batch's top-covariance tokens: only full_batch gives the batch's loss
+    cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum", kl_cov_ratio=0.2)
+    config = StepConfig(loss_name="kl_cov", loss_config=cfg, routing="r3", temperature=0.7,
+                        micro_batch_size=3, entropy_coeff=0.01, accumulation="full_batch")
+    plain = _batch(n=7, loss_masks=True)
+    batch = TokenBatch(plain.input_ids, plain.attention_mask, plain.prompt_lens,
+                       plain.response_lens, plain.response_mask, tuple(_random_routes(plain)))
+    adv = _adv(batch)
+    g = torch.Generator().manual_seed(6)
+    isw = torch.rand(batch.batch_size, batch.response_len, generator=g) + 0.5
+    # hand-built: the loss of those settings on the start weights' log-probs and entropy
+    now = _engine(4).compute_log_probs(batch, routing="r3", temperature=0.7)
+    old = now.log_probs + 0.05 * _adv(batch, seed=5)  # ratio ≠ 1
+    mask = batch.response_mask
+    pg, _ = POLICY_LOSSES.get("kl_cov")(old, now.log_probs, adv, mask, cfg, isw)
+    loss = pg - 0.01 * agg_loss(now.entropy, mask, "seq-mean-token-sum")
+
+    a, b = _engine(4), _engine(4)
+    ma = a.train_step(batch, adv, old, rollout_is_weights=isw, config=config)
+    torch.testing.assert_close(ma["train/loss"], loss.item(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ma["train/pg_loss"], pg.item(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ma["train/entropy"], now.entropy[mask].mean().item(),
+                               atol=1e-6, rtol=1e-6)
+    assert ma["train/micro_batches"] == 3.0 and a.weight_version == 1  # rows 3 + 3 + 1
+    shipped = pickle.loads(pickle.dumps(config))
+    assert shipped == config and shipped is not config
+    mb = b.train_step(batch, adv, old, rollout_is_weights=isw, config=shipped)
+    _same_step(a, b, ma, mb)
+
+    spelt_out = StepConfig(loss_name="vanilla", loss_config=None, routing="free",
+                           temperature=1.0, micro_batch_size=None, entropy_coeff=0.0,
+                           accumulation="scaled")
+    assert StepConfig() == DEFAULT_STEP_CONFIG == spelt_out
+    a, b = _engine(), _engine()
+    dense = _batch()
+    old = a.compute_log_probs(dense).log_probs - 0.05
+    _same_step(a, b, a.train_step(dense, _adv(dense), old),
+               b.train_step(dense, _adv(dense), old, config=spelt_out))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.temperature = 1.0  # type: ignore[misc]
+
+
+def test_step_config_refuses_bad_settings_naming_the_fix():
+    with pytest.raises(KeyError, match=r"valid names: .*vanilla"):
+        StepConfig(loss_name="ppo")
+    with pytest.raises(ValueError, match="routing='r4'; use one of free, r2, r3"):
+        StepConfig(routing="r4")
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        StepConfig(temperature=0.0)
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1 or None"):
+        StepConfig(micro_batch_size=0)
+    with pytest.raises(ValueError, match="accumulation='full'; use one of scaled, full_batch"):
+        StepConfig(accumulation="full")
 
 
 def test_train_step_decreases_the_loss_and_advances_versions():
@@ -214,7 +290,8 @@ def test_train_step_decreases_the_loss_and_advances_versions():
     old = eng.compute_log_probs(batch).log_probs
     losses, lrs = [], []
     for step in range(8):
-        m = eng.train_step(batch, adv, old, loss_name="reinforce", micro_batch_size=3)
+        m = eng.train_step(batch, adv, old,
+                           config=StepConfig(loss_name="reinforce", micro_batch_size=3))
         losses.append(m["train/loss"])
         lrs.append(m["train/lr"])
         assert m["train/weight_version"] == step + 1 and eng.weight_version == step + 1
@@ -285,7 +362,7 @@ def test_r2_replays_the_trainers_own_old_routes():
     old = eng.compute_log_probs(batch)  # free at version 0: routes remembered for R2
     adv = _adv(batch)
     for _ in range(3):
-        eng.train_step(batch, adv, old.log_probs, routing="r2", r2_version=0)
+        eng.train_step(batch, adv, old.log_probs, r2_version=0, config=StepConfig(routing="r2"))
     assert eng.weight_version == 3
     free_now = eng.compute_log_probs(batch)
     r2 = eng.compute_log_probs(batch, routing="r2", r2_version=0)
@@ -307,7 +384,8 @@ def test_r2_records_missing_routes_under_the_retained_snapshot():
     eng = _engine(4, optim=OptimConfig(lr=5e-2, grad_clip=None))
     seen, unseen = _batch(seed=1), _batch(seed=7)
     old = eng.compute_log_probs(seen)
-    eng.train_step(seen, _adv(seen), old.log_probs, routing="r2", r2_version=0)
+    eng.train_step(seen, _adv(seen), old.log_probs, r2_version=0,
+                   config=StepConfig(routing="r2"))
     # `unseen` was never forwarded at version 0: its routes are recorded under snapshot 0
     at_v0 = eng.compute_log_probs(unseen, version=0)
     eng.drop_snapshots()
@@ -366,7 +444,7 @@ def test_snapshot_log_probs_equal_those_before_the_update():
     eng, batch = _engine(4, optim=OptimConfig(lr=1e-2)), _batch()
     before = eng.compute_log_probs(batch)
     adv = _adv(batch)
-    eng.train_step(batch, adv, before.log_probs, micro_batch_size=4)
+    eng.train_step(batch, adv, before.log_probs, config=StepConfig(micro_batch_size=4))
     mid = eng.compute_log_probs(batch)
     eng.train_step(batch, adv, before.log_probs)
     assert eng.snapshot_versions() == [0, 1]

@@ -10,7 +10,7 @@ import torch
 from training.engines.embedded.trainer import TRAINER_STATE_FILE, EmbeddedTrainEngine
 from training.engines.hf_io import CheckpointError, load_hf_dir, read_meta
 from training.engines.model import ModelConfig
-from training.engines.train import OptimConfig, TokenBatch
+from training.engines.train import OptimConfig, StepConfig, TokenBatch
 
 V = 100
 
@@ -102,8 +102,8 @@ def test_resume_is_exact(tmp_path, experts):
     def run_step(engine, i, r2_version):
         b = batches[i]
         old = engine.compute_log_probs(b, version=r2_version)
-        return engine.train_step(b, _adv(b, seed=i), old.log_probs, micro_batch_size=4,
-                                 routing=routing, r2_version=r2_version)
+        return engine.train_step(b, _adv(b, seed=i), old.log_probs, r2_version=r2_version,
+                                 config=StepConfig(micro_batch_size=4, routing=routing))
 
     a = _engine(experts)
     for i in range(2):

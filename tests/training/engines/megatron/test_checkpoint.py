@@ -13,6 +13,9 @@ import torch
 from training.engines.hf_io import CheckpointError, load_hf_dir, read_meta
 from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngine
 from training.engines.megatron.rank import TRAINER_STATE_FILE
+from training.engines.train import StepConfig
+
+MICRO_BATCHES_OF_3 = StepConfig(micro_batch_size=3)
 
 
 def _trained(mg, experts=4, steps=2):
@@ -20,7 +23,7 @@ def _trained(mg, experts=4, steps=2):
     batch = mg.batch()
     old = meg.compute_log_probs(batch).log_probs
     for _ in range(steps):
-        meg.train_step(batch, mg.adv(batch), old, micro_batch_size=3)
+        meg.train_step(batch, mg.adv(batch), old, config=MICRO_BATCHES_OF_3)
     return meg, batch, old
 
 
@@ -38,8 +41,8 @@ def test_round_trip_is_exact(mg, tmp_path):
     assert torch.equal(meg.compute_log_probs(batch, version=0).log_probs,
                        fresh.compute_log_probs(batch, version=0).log_probs)
     # the next step (optimizer moments, schedule position) is bitwise the same
-    ma = meg.train_step(batch, mg.adv(batch, seed=4), old, micro_batch_size=3)
-    mb = fresh.train_step(batch, mg.adv(batch, seed=4), old, micro_batch_size=3)
+    ma = meg.train_step(batch, mg.adv(batch, seed=4), old, config=MICRO_BATCHES_OF_3)
+    mb = fresh.train_step(batch, mg.adv(batch, seed=4), old, config=MICRO_BATCHES_OF_3)
     for key in ("train/loss", "train/grad_norm", "train/lr", "train/weight_version"):
         assert ma[key] == mb[key], key
     pa, pb = meg.hf_state_dict(), fresh.hf_state_dict()
@@ -203,8 +206,8 @@ def test_distributed_optimizer_trains_and_resumes_exactly(mg, tmp_path):
     batch = mg.batch()
     old = emb.compute_log_probs(batch).log_probs
     for seed in (2, 3):
-        me = emb.train_step(batch, mg.adv(batch, seed), old, micro_batch_size=3)
-        mm = meg.train_step(batch, mg.adv(batch, seed), old, micro_batch_size=3)
+        me = emb.train_step(batch, mg.adv(batch, seed), old, config=MICRO_BATCHES_OF_3)
+        mm = meg.train_step(batch, mg.adv(batch, seed), old, config=MICRO_BATCHES_OF_3)
         assert math.isclose(mm["train/grad_norm"], me["train/grad_norm"], rel_tol=1e-5)
     path = meg.save_checkpoint(tmp_path / "dist")
     with pytest.raises(CheckpointError, match="distributed_optimizer=True"):

@@ -11,7 +11,7 @@ import torch
 
 from training.algorithms.policy_loss import PolicyLossConfig
 from training.engines.hf_io import load_hf_dir, read_meta, state_dict_for_export
-from training.engines.train import SnapshotUnavailableError, TrainEngine
+from training.engines.train import SnapshotUnavailableError, StepConfig, TrainEngine
 
 ATOL = 1e-5  # fp32, different kernels and summation orders
 
@@ -72,13 +72,14 @@ def test_one_train_step_moves_both_engines_the_same_way(mg, variant):
     emb, meg = mg.pair(experts)
     batch = mg.batch(routes_for=mg.cfg(experts) if experts else None)
     adv = mg.adv(batch)
-    if v.pop("rollout_is_weights", False):
-        v["rollout_is_weights"] = torch.rand(batch.batch_size, batch.response_len) + 0.5
-    routing = v.get("routing", "free")
+    isw = (torch.rand(batch.batch_size, batch.response_len) + 0.5
+           if v.pop("rollout_is_weights", False) else None)
+    config = StepConfig(**v)
+    routing = config.routing
     old = emb.compute_log_probs(batch, routing=routing).log_probs
     old = old + 0.05 * mg.adv(batch, seed=9) * batch.response_mask  # ratios away from 1
-    me = emb.train_step(batch, adv, old, **v)
-    mm = meg.train_step(batch, adv, old, **v)
+    me = emb.train_step(batch, adv, old, rollout_is_weights=isw, config=config)
+    mm = meg.train_step(batch, adv, old, rollout_is_weights=isw, config=config)
     assert set(mm) >= set(me)
     for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
         assert math.isclose(mm[key], me[key], rel_tol=1e-5, abs_tol=1e-6), key
@@ -167,8 +168,9 @@ def test_r2_replays_the_trainer_routes_of_the_reference_version(mg):
     assert all(torch.equal(a, b) for a, b in zip(r2.routes, routes_v0, strict=True))
     _close(r2.log_probs, emb.compute_log_probs(batch, routing="r2", r2_version=0).log_probs)
     # a second mini-batch step replaying v0's routes
-    me = emb.train_step(batch, adv, old, routing="r2", r2_version=0)
-    mm = meg.train_step(batch, adv, old, routing="r2", r2_version=0)
+    replay = StepConfig(routing="r2")
+    me = emb.train_step(batch, adv, old, r2_version=0, config=replay)
+    mm = meg.train_step(batch, adv, old, r2_version=0, config=replay)
     assert math.isclose(mm["train/loss"], me["train/loss"], rel_tol=1e-5, abs_tol=1e-6)
     meg.close()
 

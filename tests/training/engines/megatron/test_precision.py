@@ -14,6 +14,7 @@ import torch
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.hf_io import CheckpointError, load_hf_dir, state_dict_for_export
 from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngine
+from training.engines.train import StepConfig
 
 # |log-prob(bf16 megatron) − log-prob(fp32 embedded)| on these tiny models: max 1.0e-3–2.1e-3
 # (dense and MoE, 5 batches, T = 1 and 0.7), 5.3e-3 where bf16 flips one token's expert choice
@@ -21,6 +22,7 @@ from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngi
 # the worst and ~5× over the batches below.
 BF16_ATOL = 1e-2
 BF16 = MegatronSettings(precision="bf16")
+MICRO_BATCHES_OF_3 = StepConfig(micro_batch_size=3)
 
 
 def _bf16(mg, experts=0, settings=BF16, **hf):
@@ -65,8 +67,8 @@ def test_bf16_train_step_moves_the_loss_and_the_weights_like_fp32(mg):
     before_emb, before = mg.params(emb), meg.hf_state_dict()
     losses = []
     for _ in range(3):
-        me = emb.train_step(batch, adv, old, micro_batch_size=3)
-        mm = meg.train_step(batch, adv, old, micro_batch_size=3)
+        me = emb.train_step(batch, adv, old, config=MICRO_BATCHES_OF_3)
+        mm = meg.train_step(batch, adv, old, config=MICRO_BATCHES_OF_3)
         assert mm["train/skipped_step"] == 0.0
         for key in ("train/loss", "train/entropy"):
             assert math.isclose(mm[key], me[key], abs_tol=BF16_ATOL), (key, mm[key], me[key])
@@ -113,7 +115,7 @@ def test_bf16_checkpoint_round_trip_is_exact(mg, tmp_path, experts, distributed_
     batch = mg.batch()
     old = meg.compute_log_probs(batch).log_probs
     for _ in range(2):
-        meg.train_step(batch, mg.adv(batch), old, micro_batch_size=3)
+        meg.train_step(batch, mg.adv(batch), old, config=MICRO_BATCHES_OF_3)
     path = meg.save_checkpoint(tmp_path / "ckpt")
     fresh = MegatronTrainEngine.from_checkpoint(path, launcher="local", settings=settings)
     assert (fresh.weight_version, fresh.step) == (2, 2)
@@ -124,8 +126,8 @@ def test_bf16_checkpoint_round_trip_is_exact(mg, tmp_path, experts, distributed_
     # several more steps stay bitwise equal: the fp32 master weights and Adam moments came back
     # (master weights rounded to bf16 on load would diverge within a step or two)
     for seed in (4, 5, 6):
-        ma = meg.train_step(batch, mg.adv(batch, seed=seed), old, micro_batch_size=3)
-        mb = fresh.train_step(batch, mg.adv(batch, seed=seed), old, micro_batch_size=3)
+        ma = meg.train_step(batch, mg.adv(batch, seed=seed), old, config=MICRO_BATCHES_OF_3)
+        mb = fresh.train_step(batch, mg.adv(batch, seed=seed), old, config=MICRO_BATCHES_OF_3)
         for key in ("train/loss", "train/grad_norm", "train/lr", "train/weight_version"):
             assert ma[key] == mb[key], key
         pa, pb = meg.hf_state_dict(), fresh.hf_state_dict()
@@ -134,9 +136,9 @@ def test_bf16_checkpoint_round_trip_is_exact(mg, tmp_path, experts, distributed_
     meg.load_checkpoint(path)
     assert meg.weight_version == 2 and torch.equal(meg.compute_log_probs(batch).log_probs,
                                                    a.log_probs)
-    ma = meg.train_step(batch, mg.adv(batch, seed=4), old, micro_batch_size=3)
+    ma = meg.train_step(batch, mg.adv(batch, seed=4), old, config=MICRO_BATCHES_OF_3)
     fresh.load_checkpoint(path)
-    mb = fresh.train_step(batch, mg.adv(batch, seed=4), old, micro_batch_size=3)
+    mb = fresh.train_step(batch, mg.adv(batch, seed=4), old, config=MICRO_BATCHES_OF_3)
     assert ma["train/loss"] == mb["train/loss"] and ma["train/grad_norm"] == mb["train/grad_norm"]
     meg.close()
     fresh.close()
@@ -198,8 +200,8 @@ def test_bf16_pipeline_parallel_on_two_ray_ranks(mg):
         diff = (b.log_probs - a.log_probs)[batch.valid_response_mask].abs().max().item()
         assert 1e-5 < diff < BF16_ATOL, diff
         before = meg.hf_state_dict()
-        me = emb.train_step(batch, mg.adv(batch), a.log_probs, micro_batch_size=3)
-        mm = meg.train_step(batch, mg.adv(batch), a.log_probs, micro_batch_size=3)
+        me = emb.train_step(batch, mg.adv(batch), a.log_probs, config=MICRO_BATCHES_OF_3)
+        mm = meg.train_step(batch, mg.adv(batch), a.log_probs, config=MICRO_BATCHES_OF_3)
         assert math.isclose(mm["train/loss"], me["train/loss"], abs_tol=BF16_ATOL)
         assert math.isclose(mm["train/grad_norm"], me["train/grad_norm"], rel_tol=0.05)
         after = meg.hf_state_dict()

@@ -13,7 +13,7 @@ import torch
 from training.engines.embedded.trainer import EmbeddedTrainEngine
 from training.engines.hf_io import load_hf_dir, read_meta
 from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngine
-from training.engines.train import SnapshotUnavailableError
+from training.engines.train import SnapshotUnavailableError, StepConfig
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,13 @@ def ray_session():
 
 
 def _parity_step(mg, emb, meg, batch, **kw):
-    """One train step on both engines; returns (embedded metrics, megatron metrics)."""
+    """One train step on both engines with ``StepConfig(**kw)`` (pickled to the rank actors);
+    returns (embedded metrics, megatron metrics)."""
     adv = mg.adv(batch)
     old = emb.compute_log_probs(batch).log_probs
-    me, mm = emb.train_step(batch, adv, old, **kw), meg.train_step(batch, adv, old, **kw)
+    config = StepConfig(**kw)
+    me = emb.train_step(batch, adv, old, config=config)
+    mm = meg.train_step(batch, adv, old, config=config)
     for key in ("train/loss", "train/entropy", "train/grad_norm"):
         assert math.isclose(mm[key], me[key], rel_tol=1e-5, abs_tol=1e-6), key
     return me, mm
