@@ -32,11 +32,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import signal
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,14 +49,17 @@ from flows.events import (
     StageEvent,
 )
 from flows.results import CandidateOutcome, GateReport, PromotionResult, TrainedRun
+from flows.tracking import TrackedRun
 from registry.campaign import (
     Campaign,
+    GateSpec,
     Stage,
     StartingPoint,
     load_campaign,
     reference_name,
     stage_recipes,
 )
+from registry.gates import GateContext
 from training.fileio import atomic_write_text
 from training.paths import state_dir
 
@@ -110,18 +111,18 @@ def _emit(events: EventFn | None, event: CampaignEvent) -> None:
             log.debug("event callback failed", exc_info=True)
 
 
-CRASH_ENV = "ASYNCRL_CRASH_AT"
+#: Called with the name of each point the flow passes that a crash could split: ``judged:<stage>``
+#: (the stage's candidates judged, nothing promoted), ``promote:mlflow:<stage>`` (inside the
+#: promotion: the MLflow model version registered, the registry row not yet written) and
+#: ``promoted:<stage>`` (both written, the stage not yet marked finished). Empty in normal use:
+#: it is the seam the reliability tests install a ``kill -9`` into (tests/flows/crash_at.py).
+POINT_HOOKS: list[Callable[[str], None]] = []
 
 
-def crash_point(name: str) -> None:
-    """Fault injection for the reliability tests: when ``$ASYNCRL_CRASH_AT`` equals ``name`` this
-    process SIGKILLs itself here — no ``finally``, no atexit, exactly a ``kill -9`` landing at a
-    known place (``judged:<stage>``: after the stage's candidates are judged, before promotion;
-    ``promote:mlflow:<stage>``: inside promotion, the MLflow model version registered but the
-    registry row not written; ``promoted:<stage>``: both written, the stage not yet marked
-    finished). Unset in normal use."""
-    if os.environ.get(CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+def reached(point: str) -> None:
+    """The flow has reached ``point`` (see :data:`POINT_HOOKS`)."""
+    for hook in list(POINT_HOOKS):
+        hook(point)
 
 
 # --- tasks --------------------------------------------------------------------------------------
@@ -139,13 +140,13 @@ def _cache_key(context: Any, params: Mapping[str, Any]) -> str:
 @task(name="run_candidate", retries=1, retry_delay_seconds=5, cache_key_fn=_cache_key,
       persist_result=True)
 def run_candidate(*, campaign_id: str, stage: str, candidate: str, recipe_hash: str,
-                  recipe_data: dict[str, Any], registry_url: str | None,
+                  recipe: Recipe, registry_url: str | None,
                   mlflow_run_id: str | None, tracking_uri: str | None) -> TrainedRun:
-    """Train one candidate (resuming its run directory if a previous attempt was killed)."""
+    """Train one candidate (resuming its run directory if a previous attempt was killed). The
+    validated, frozen ``recipe`` is passed as is (Prefect hands task parameters over in-process);
+    ``recipe_hash`` is its hash, part of the cache key."""
     from registry.db import RegistryDB
-    from training.recipe import recipe_from_dict
 
-    recipe = recipe_from_dict(recipe_data)
     with RegistryDB(registry_url) as db:  # closed however the run ends
         return _run_candidate(db, campaign_id, stage, candidate, recipe_hash, recipe,
                               mlflow_run_id, tracking_uri)
@@ -203,8 +204,8 @@ def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
 
 
 @task(name="judge", retries=2, retry_delay_seconds=2)
-def judge(*, run: TrainedRun, gates: list[dict[str, Any]],
-          references: dict[str, dict[str, float]], context: dict[str, Any],
+def judge(*, run: TrainedRun, gates: list[GateSpec],
+          references: dict[str, dict[str, float]], context: GateContext,
           registry_url: str | None, mlflow_run_id: str | None,
           tracking_uri: str | None, where: dict[str, str] | None = None,
           reference_runs: dict[str, str] | None = None,
@@ -223,16 +224,17 @@ def judge(*, run: TrainedRun, gates: list[dict[str, Any]],
     history = read_metrics(run.metrics_path)
     results = []
     for g in gates:
-        ref = references.get(g["relative_to"]) if g.get("relative_to") else None
-        results.append(evaluate_gate(g["name"], history, g.get("params") or {}, reference=ref,
+        ref = references.get(g.relative_to) if g.relative_to else None
+        results.append(evaluate_gate(g.name, history, g.params, reference=ref,
                                      context=context).to_dict())
     passed = all(r["passed"] for r in results)
-    used = {g["relative_to"] for g in gates if g.get("relative_to")}
+    used = {g.relative_to for g in gates if g.relative_to}
     trained = samples_trained(run.summary, history, samples_per_step)
     report = GateReport(
         passed=passed, gates=results, run_dir=run.run_dir, summary=run.summary,
         samples_trained=trained,
-        judged_with={**(where or {}), "gates": gates, "context": context,
+        judged_with={**(where or {}), "gates": [g.model_dump() for g in gates],
+                     "context": context.model_dump(),
                      "references": {k: v for k, v in references.items() if k in used},
                      "reference_runs": {k: v for k, v in (reference_runs or {}).items()
                                         if k in used}},
@@ -287,7 +289,7 @@ def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
         version = Tracker(tracking_uri).register_model(
             model_name(campaign_name), mlflow_run_id, checkpoint,
             aliases=[f"stage-{stage}", "champion"])
-    crash_point(f"promote:mlflow:{stage}")
+    reached(f"promote:mlflow:{stage}")
     with RegistryDB(registry_url) as db:
         pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
                          campaign_id=campaign_id, stage=stage, actor="auto", reason=reason,
@@ -311,16 +313,6 @@ def _choose(stage: Stage, outcomes: list[CandidateOutcome]) -> CandidateOutcome 
         return max(passing, key=lambda o: o.eval_reward if o.eval_reward is not None
                    else float("-inf"))
     return passing[0]  # listed order
-
-
-def _context(recipe: Recipe) -> dict[str, Any]:
-    """What gates need to know about the recipe: its mode and the staleness bound the mode
-    implies (the recipe's own ``staleness_bound``). ``max_off_policy_steps`` tells
-    staleness_within_bound that drops are configured (the bound then holds by construction and
-    the dropped fraction is what it judges). Plain data: it is recorded in the gate report."""
-    a = recipe.async_
-    return {"mode": a.mode, "max_staleness": a.staleness_bound,
-            "max_off_policy_steps": a.max_off_policy_steps}
 
 
 @flow(name="asyncrl-campaign", log_prints=False)
@@ -355,8 +347,7 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
     from registry.ownership import CampaignLease
 
     campaign, base = load_campaign(campaign_path)
-    db = RegistryDB(registry_url)
-    try:
+    with RegistryDB(registry_url) as db:
         record_campaign(db, campaign, base, campaign_path, campaign_id)
         # one owner: a second launch/resume is refused here, before it writes anything (the
         # CLI takes the same lease before it starts Prefect; it is re-entrant)
@@ -364,8 +355,6 @@ def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | N
             return _run_owned(campaign, base, Path(campaign_path), campaign_id, db, lease,
                               registry_url=registry_url, tracking_uri=tracking_uri,
                               events=events)
-    finally:
-        db.close()
 
 
 def record_campaign(db: Any, campaign: Campaign, base: dict[str, Any], campaign_path: Path,
@@ -383,219 +372,250 @@ def record_campaign(db: Any, campaign: Campaign, base: dict[str, Any], campaign_
         "path": str(Path(campaign_path).resolve())})
 
 
-def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, campaign_id: str,
-               db: Any, lease: CampaignLease, *, registry_url: str | None,
-               tracking_uri: str | None, events: EventFn | None) -> CampaignOutcome:
-    """The stages of :func:`run_campaign`, run while this process owns the campaign."""
-    from flows.tracking import Tracker
-    from registry.gates import diagnosis_for
-    from training.recipe import recipe_from_dict
-    from training.runtime.sinks import read_metrics
+@dataclass
+class _Ladder:
+    """What the stages hand on, in order: the recipe the next stage builds on (the base, then
+    each promoted recipe) and its starting point, the reference summaries and promoted recipes
+    by stage (relative gates and ``rerun_reference`` read them), the plot data and the outcome
+    so far."""
 
-    db.set_campaign_status(campaign_id, "running")
-    tracker = Tracker(tracking_uri)
-    exp = tracker.experiment(f"asyncrl/{campaign.name}")
-    parent = tracker.start_campaign_run(exp, campaign_id, campaign.name,
-                                        tags={"asyncrl.campaign_file": str(campaign_path)}) \
-        if exp else None
-    if parent and lease.previous is not None:  # the parent run of a crash, continued: say so
-        tracker.set_tags(parent, {"asyncrl.recovered_from_crash": (
-            f"owner {lease.previous['describe']} died; resumed by "
-            f"{lease.identity.describe()}")})
-    _start_ray()
-    current: dict[str, Any] = dict(base)
-    start: StartingPoint | None = None  # the previous stage's promoted checkpoint and recipe
-    references: dict[str, dict[str, float]] = {}
-    promoted_recipes: dict[str, dict[str, Any]] = {}  # by stage: what rerun_reference re-runs
-    outcome = CampaignOutcome(campaign_id, "running", "", mlflow_run_id=parent)
-    plot_stages: list[dict[str, Any]] = []
-    try:
-        for index, stage in enumerate(campaign.stages):
-            done = db.promoted(campaign_id, stage.name)
-            if done is not None:  # finished before: continue from its promotion
-                recipe_row = db.get_recipe(done["recipe_hash"])
-                run_row = db.get_run(campaign_id=campaign_id, stage=stage.name,
-                                     candidate=done["candidate"])
-                if recipe_row is not None and run_row is not None and done.get("checkpoint"):
-                    import yaml
+    current: dict[str, Any]
+    outcome: CampaignOutcome
+    start: StartingPoint | None = None
+    references: dict[str, dict[str, float]] = field(default_factory=dict)
+    promoted_recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    plot_stages: list[dict[str, Any]] = field(default_factory=list)
 
-                    # re-validated: what the registry holds is read back as a recipe
-                    promoted_recipe = recipe_from_dict(yaml.safe_load(recipe_row["yaml"]),
-                                                       f"registry recipe {done['recipe_hash']}")
-                    current = promoted_recipe.to_dict()
-                    promoted_recipes[stage.name] = current
-                    checkpoint = done["checkpoint"]
-                    start = StartingPoint(checkpoint, promoted_recipe)
-                    history = read_metrics(Path(run_row["run_dir"]) / "metrics.jsonl")
-                    from registry.gates import summarize
-                    references[stage.name] = summarize(history)
-                    outcome.promoted[stage.name] = {"candidate": done["candidate"],
-                                                    "recipe_hash": done["recipe_hash"],
-                                                    "checkpoint": checkpoint,
-                                                    "promotion_id": done["id"],
-                                                    "mlflow_version": done.get("mlflow_version")}
-                    plot_stages.append({"stage": stage.name, "candidates": [
-                        {"candidate": done["candidate"], "history": history, "passed": True,
-                         "promoted": True}]})
-                    db.upsert_stage(campaign_id, stage.name, index, "finished")
-                    _emit(events, StageEvent(stage.name, "promoted", earlier=True))
-                    continue
-            # on the chain actually promoted, before anything of the stage trains
-            built = stage_recipes(campaign, stage, current, promoted_recipes, start=start)
-            db.upsert_stage(campaign_id, stage.name, index, "running")
-            _emit(events, StageEvent(stage.name, "running"))
-            runner = _Runner(campaign_id, stage, db, tracker, exp, parent, registry_url,
-                             tracking_uri, events)
-            stage_refs, reference_runs = dict(references), {}
-            for ref, ref_recipe in built.references.items():  # rerun_reference
-                o = runner.train_and_judge(reference_name(ref), ref_recipe,
-                                           absolute_only=True, references={},
-                                           reference_runs={})
-                stage_refs[ref] = o.report.summary_for_reference
-                reference_runs[ref] = o.run.run_dir
-            outcomes = []
-            for cand, recipe in built.candidates:
-                o = runner.train_and_judge(cand.name, recipe, references=stage_refs,
-                                           reference_runs=reference_runs)
-                outcomes.append(o)
-                if stage.promotion == "first_passing" and o.report.passed:
-                    break
-            plot_stages.append({"stage": stage.name, "candidates": [
-                {"candidate": o.candidate, "history": read_metrics(o.run.metrics_path),
-                 "passed": o.report.passed, "promoted": False} for o in outcomes]})
-            winner = _choose(stage, outcomes)
-            crash_point(f"judged:{stage.name}")
-            if winner is None:
-                worst = outcomes[-1]
-                # the last candidate's own recipe tailors the prescribed override to it
-                diag = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
-                failed = "; ".join(f"{o.candidate}: " + ", ".join(o.report.failed_gates)
-                                   for o in outcomes)
-                verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
-                           f"diagnosis: {diag.get('summary', '')}")
-                db.upsert_stage(campaign_id, stage.name, index, "failed")
-                db.set_campaign_status(campaign_id, "stopped", verdict=verdict, diagnosis=diag)
-                if parent:
-                    tracker.log_dict(parent, {"verdict": verdict, "diagnosis": diag},
-                                     "verdict.json")
-                    tracker.set_tags(parent, {"asyncrl.verdict": verdict[:4000]})
-                outcome.status, outcome.verdict, outcome.diagnosis = "stopped", verdict, diag
-                _emit(events, StageEvent(stage.name, "failed", verdict=verdict))
-                break
-            plot_stages[-1]["candidates"][outcomes.index(winner)]["promoted"] = True
-            trained = winner.report.samples_trained
-            reason = (f"{stage.promotion}: passed {len(winner.report.gates)} gates"
-                      + (f" after {trained} samples" if trained is not None else "")
-                      + (f", eval {winner.eval_reward:.3f}"
-                         if winner.eval_reward is not None else ""))
-            promo = promote(campaign_id=campaign_id, campaign_name=campaign.name,
-                            stage=stage.name, candidate=winner.candidate,
-                            recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,
-                            reason=reason, registry_url=registry_url,
-                            mlflow_run_id=winner.mlflow_run_id, tracking_uri=tracking_uri)
-            crash_point(f"promoted:{stage.name}")
-            db.upsert_stage(campaign_id, stage.name, index, "finished")
-            outcome.promoted[stage.name] = {"candidate": winner.candidate,
-                                            "recipe_hash": winner.recipe_hash,
-                                            "checkpoint": winner.run.final_hf,
-                                            "promotion_id": promo.promotion_id,
-                                            "mlflow_version": promo.mlflow_version}
-            _emit(events, PromotedEvent(stage.name, winner.candidate))
-            references[stage.name] = winner.report.summary_for_reference
-            current = winner.recipe.to_dict()
-            promoted_recipes[stage.name] = current
-            start = StartingPoint(winner.run.final_hf, winner.recipe)
-        else:
-            outcome.status = "finished"
-            outcome.verdict = (f"all {len(campaign.stages)} stages promoted; champion: "
-                               f"{campaign.stages[-1].name}/"
-                               f"{outcome.promoted[campaign.stages[-1].name]['candidate']}")
-            db.set_campaign_status(campaign_id, "finished", verdict=outcome.verdict)
-        if parent:
-            from flows.plots import campaign_plot
-            try:
-                png = campaign_plot(plot_stages, campaign_dir(campaign_id) / "campaign.png")
-            except Exception as e:
-                log.warning("campaign plot failed: %s", e)
-                png = None
-            if png is not None:
-                tracker.log_artifact_file(parent, png)
-            # a campaign stopped by its gates is a failure in MLflow's list too, not green
-            tracker.end_run(parent, "FINISHED" if outcome.status == "finished" else "FAILED")
-    except BaseException as e:
-        status = "failed" if not isinstance(e, KeyboardInterrupt) else "stopped"
-        db.set_campaign_status(campaign_id, status,
-                               verdict=f"{type(e).__name__}: {str(e)[:500]}; resume with "
-                                       f"asyncrl campaign resume {campaign_id}")
-        if parent:
-            tracker.end_run(parent, "KILLED" if status == "stopped" else "FAILED")
-        raise
-    return outcome
+    def promoted(self, stage: str, recipe: Recipe, checkpoint: str, reference: dict[str, float],
+                 record: dict[str, Any]) -> None:
+        """Stage ``stage`` promoted ``recipe`` with its final ``checkpoint``: the next stage
+        starts there, and compares against ``reference`` (the promoted run's summary)."""
+        self.references[stage] = reference
+        self.current = recipe.to_dict()
+        self.promoted_recipes[stage] = self.current
+        self.start = StartingPoint(checkpoint, recipe)
+        self.outcome.promoted[stage] = record
 
 
 @dataclass
-class _Runner:
-    """Trains and judges the runs of one stage (its candidates and reference re-runs)."""
+class _Flow:
+    """One owned campaign run: the registry, the MLflow parent run and where events go."""
 
+    campaign: Campaign
     campaign_id: str
-    stage: Stage
     db: Any
-    tracker: Any
-    exp: str | None
-    parent: str | None
+    parent: TrackedRun
     registry_url: str | None
     tracking_uri: str | None
     events: EventFn | None
 
-    def train_and_judge(self, name: str, recipe: Recipe, *,
+    def stage_done_before(self, index: int, stage: Stage, ladder: _Ladder) -> bool:
+        """Continue from the stage's promotion when an earlier run of the campaign promoted
+        it: the promoted recipe is read back from the registry and validated again."""
+        import yaml
+
+        from registry.gates import summarize
+        from training.recipe import recipe_from_dict
+        from training.runtime.sinks import read_metrics
+
+        done = self.db.promoted(self.campaign_id, stage.name)
+        if done is None or not done.checkpoint:
+            return False
+        recipe_row = self.db.get_recipe(done.recipe_hash)
+        run_row = self.db.get_run(campaign_id=self.campaign_id, stage=stage.name,
+                                  candidate=done.candidate)
+        if recipe_row is None or run_row is None or run_row.run_dir is None:
+            return False
+        recipe = recipe_from_dict(yaml.safe_load(recipe_row.yaml),
+                                  f"registry recipe {done.recipe_hash}")
+        history = read_metrics(Path(run_row.run_dir) / "metrics.jsonl")
+        ladder.promoted(stage.name, recipe, done.checkpoint, summarize(history), {
+            "candidate": done.candidate, "recipe_hash": done.recipe_hash,
+            "checkpoint": done.checkpoint, "promotion_id": done.id,
+            "mlflow_version": done.mlflow_version})
+        ladder.plot_stages.append({"stage": stage.name, "candidates": [
+            {"candidate": done.candidate, "history": history, "passed": True,
+             "promoted": True}]})
+        self.db.upsert_stage(self.campaign_id, stage.name, index, "finished")
+        _emit(self.events, StageEvent(stage.name, "promoted", earlier=True))
+        return True
+
+    def run_stage(self, index: int, stage: Stage, ladder: _Ladder) -> bool:
+        """Train and judge the stage's runs, then promote its winner; False when no candidate
+        passed (the campaign stops with the verdict)."""
+        from training.runtime.sinks import read_metrics
+
+        # on the chain actually promoted, before anything of the stage trains
+        built = stage_recipes(self.campaign, stage, ladder.current, ladder.promoted_recipes,
+                              start=ladder.start)
+        self.db.upsert_stage(self.campaign_id, stage.name, index, "running")
+        _emit(self.events, StageEvent(stage.name, "running"))
+        stage_refs, reference_runs = dict(ladder.references), {}
+        for ref, ref_recipe in built.references.items():  # rerun_reference
+            o = self.train_and_judge(stage, reference_name(ref), ref_recipe, references={},
+                                     reference_runs={}, absolute_only=True)
+            stage_refs[ref] = o.report.summary_for_reference
+            reference_runs[ref] = o.run.run_dir
+        outcomes: list[CandidateOutcome] = []
+        for cand, recipe in built.candidates:
+            o = self.train_and_judge(stage, cand.name, recipe, references=stage_refs,
+                                     reference_runs=reference_runs)
+            outcomes.append(o)
+            if stage.promotion == "first_passing" and o.report.passed:
+                break
+        winner = _choose(stage, outcomes)
+        ladder.plot_stages.append({"stage": stage.name, "candidates": [
+            {"candidate": o.candidate, "history": read_metrics(o.run.metrics_path),
+             "passed": o.report.passed, "promoted": o is winner} for o in outcomes]})
+        reached(f"judged:{stage.name}")
+        if winner is None:
+            self.stop(index, stage, outcomes, ladder)
+            return False
+        self.promote(index, stage, winner, ladder)
+        return True
+
+    def stop(self, index: int, stage: Stage, outcomes: list[CandidateOutcome],
+             ladder: _Ladder) -> None:
+        """No candidate passed: the verdict, with the diagnosis of the last candidate's run."""
+        from registry.gates import diagnosis_for
+        from training.runtime.sinks import read_metrics
+
+        worst = outcomes[-1]
+        # the last candidate's own recipe tailors the prescribed override to it
+        diag = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
+        failed = "; ".join(f"{o.candidate}: " + ", ".join(o.report.failed_gates)
+                           for o in outcomes)
+        verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
+                   f"diagnosis: {diag.get('summary', '')}")
+        self.db.upsert_stage(self.campaign_id, stage.name, index, "failed")
+        self.db.set_campaign_status(self.campaign_id, "stopped", verdict=verdict,
+                                    diagnosis=diag)
+        self.parent.log_dict({"verdict": verdict, "diagnosis": diag}, "verdict.json")
+        self.parent.set_tags({"asyncrl.verdict": verdict[:4000]})
+        ladder.outcome.status, ladder.outcome.verdict = "stopped", verdict
+        ladder.outcome.diagnosis = diag
+        _emit(self.events, StageEvent(stage.name, "failed", verdict=verdict))
+
+    def promote(self, index: int, stage: Stage, winner: CandidateOutcome,
+                ladder: _Ladder) -> None:
+        trained = winner.report.samples_trained
+        reason = (f"{stage.promotion}: passed {len(winner.report.gates)} gates"
+                  + (f" after {trained} samples" if trained is not None else "")
+                  + (f", eval {winner.eval_reward:.3f}"
+                     if winner.eval_reward is not None else ""))
+        promo = promote(campaign_id=self.campaign_id, campaign_name=self.campaign.name,
+                        stage=stage.name, candidate=winner.candidate,
+                        recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,
+                        reason=reason, registry_url=self.registry_url,
+                        mlflow_run_id=winner.mlflow_run_id, tracking_uri=self.tracking_uri)
+        reached(f"promoted:{stage.name}")
+        self.db.upsert_stage(self.campaign_id, stage.name, index, "finished")
+        ladder.promoted(stage.name, winner.recipe, winner.run.final_hf,
+                        winner.report.summary_for_reference, {
+                            "candidate": winner.candidate, "recipe_hash": winner.recipe_hash,
+                            "checkpoint": winner.run.final_hf,
+                            "promotion_id": promo.promotion_id,
+                            "mlflow_version": promo.mlflow_version})
+        _emit(self.events, PromotedEvent(stage.name, winner.candidate))
+
+    def finish(self, ladder: _Ladder) -> None:
+        """Every stage promoted (or the campaign stopped): the verdict, the campaign plot and
+        the parent run's status (a campaign stopped by its gates is FAILED in MLflow too)."""
+        from flows.plots import campaign_plot
+
+        outcome = ladder.outcome
+        if outcome.status == "running":
+            last = self.campaign.stages[-1].name
+            outcome.status = "finished"
+            outcome.verdict = (f"all {len(self.campaign.stages)} stages promoted; champion: "
+                               f"{last}/{outcome.promoted[last]['candidate']}")
+            self.db.set_campaign_status(self.campaign_id, "finished", verdict=outcome.verdict)
+        if self.parent.id is not None:
+            try:
+                png = campaign_plot(ladder.plot_stages,
+                                    campaign_dir(self.campaign_id) / "campaign.png")
+            except Exception as e:
+                log.warning("campaign plot failed: %s", e)
+                png = None
+            if png is not None:
+                self.parent.log_file(png)
+        self.parent.end("FINISHED" if outcome.status == "finished" else "FAILED")
+
+    def train_and_judge(self, stage: Stage, name: str, recipe: Recipe, *,
                         references: dict[str, dict[str, float]], reference_runs: dict[str, str],
                         absolute_only: bool = False) -> CandidateOutcome:
         """Train ``recipe`` as candidate ``name`` of the stage (a Prefect task, an MLflow child
         run, a registry row) and judge it on the stage's gates — only those without
         ``relative_to`` when ``absolute_only`` (a reference re-run is the reference)."""
-        stage, db, tracker = self.stage, self.db, self.tracker
         rhash = recipe.hash()
-        db.put_recipe(rhash, recipe.name, recipe.to_yaml())
-        child = None
-        if self.exp and self.parent:
-            child = tracker.start_candidate_run(
-                self.exp, self.parent, campaign_id=self.campaign_id, stage=stage.name,
-                candidate=name, recipe=recipe, recipe_hash=rhash, mode=recipe.mode)
-            if child:
-                tracker.log_dict(child, recipe.to_dict(), "recipe.json")
+        self.db.put_recipe(rhash, recipe.name, recipe.to_yaml())
+        child = self.parent.candidate_run(campaign_id=self.campaign_id, stage=stage.name,
+                                          candidate=name, recipe=recipe, recipe_hash=rhash,
+                                          mode=recipe.mode)
         _emit(self.events, CandidateEvent(stage.name, name, "running", recipe_hash=rhash))
         run = run_candidate(campaign_id=self.campaign_id, stage=stage.name, candidate=name,
-                            recipe_hash=rhash, recipe_data=recipe.to_dict(),
-                            registry_url=self.registry_url, mlflow_run_id=child,
+                            recipe_hash=rhash, recipe=recipe,
+                            registry_url=self.registry_url, mlflow_run_id=child.id,
                             tracking_uri=self.tracking_uri)
-        gates = [g.model_dump() for g in stage.gates
-                 if not (absolute_only and g.relative_to)]
+        gates = [g for g in stage.gates if not (absolute_only and g.relative_to)]
         report = judge(run=run, gates=gates, references=references,
-                       context=_context(recipe), registry_url=self.registry_url,
-                       mlflow_run_id=child, tracking_uri=self.tracking_uri,
+                       context=GateContext.of(recipe), registry_url=self.registry_url,
+                       mlflow_run_id=child.id, tracking_uri=self.tracking_uri,
                        where={"campaign_id": self.campaign_id, "stage": stage.name,
                               "candidate": name},
                        reference_runs=reference_runs, samples_per_step=recipe.samples_per_step)
         # a reference re-run is never promoted: its verdict is information, not a rejection
         status = "finished" if absolute_only or report.passed else "rejected"
-        db.upsert_run(self.campaign_id, stage.name, name, rhash, status=status)
+        self.db.upsert_run(self.campaign_id, stage.name, name, rhash, status=status)
         shown = ("reference" if absolute_only
                  else "passed" if report.passed else "rejected")
         _emit(self.events, CandidateEvent(stage.name, name, shown, recipe_hash=rhash,
                                           summary=run.summary, gates=report.gates,
                                           samples_trained=report.samples_trained))
         return CandidateOutcome(candidate=name, recipe=recipe, recipe_hash=rhash, run=run,
-                                report=report, mlflow_run_id=child)
+                                report=report, mlflow_run_id=child.id)
+
+
+def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, campaign_id: str,
+               db: Any, lease: CampaignLease, *, registry_url: str | None,
+               tracking_uri: str | None, events: EventFn | None) -> CampaignOutcome:
+    """The stages of :func:`run_campaign`, run while this process owns the campaign: each stage
+    continues from its earlier promotion or is trained, judged and promoted; the first stage
+    with no passing candidate stops the campaign."""
+    from flows.tracking import Tracker
+
+    db.set_campaign_status(campaign_id, "running")
+    parent = Tracker(tracking_uri).campaign_run(
+        f"asyncrl/{campaign.name}", campaign_id, campaign.name,
+        tags={"asyncrl.campaign_file": str(campaign_path)})
+    if lease.previous is not None:  # the parent run of a crash, continued: say so
+        parent.set_tags({"asyncrl.recovered_from_crash": (
+            f"owner {lease.previous.describe} died; resumed by "
+            f"{lease.identity.describe()}")})
+    _start_ray()
+    fl = _Flow(campaign, campaign_id, db, parent, registry_url, tracking_uri, events)
+    ladder = _Ladder(dict(base), CampaignOutcome(campaign_id, "running", "",
+                                                 mlflow_run_id=parent.id))
+    try:
+        for index, stage in enumerate(campaign.stages):
+            if not (fl.stage_done_before(index, stage, ladder)
+                    or fl.run_stage(index, stage, ladder)):
+                break
+        fl.finish(ladder)
+    except BaseException as e:
+        status = "failed" if not isinstance(e, KeyboardInterrupt) else "stopped"
+        db.set_campaign_status(campaign_id, status,
+                               verdict=f"{type(e).__name__}: {str(e)[:500]}; resume with "
+                                       f"asyncrl campaign resume {campaign_id}")
+        parent.end("KILLED" if status == "stopped" else "FAILED")
+        raise
+    return ladder.outcome
 
 
 def _start_ray() -> None:
-    """One local Ray for the whole campaign (FACTS.md), loopback-only and reaped with this
-    process, unless one is already up; the cluster named by ``$RAY_ADDRESS`` when set
-    (platform/prefect.yaml sets ``RAY_ADDRESS=auto``). See :mod:`training.ray_setup`."""
-    from training.ray_setup import RayStartError, init_ray
-    from training.runtime.run import RunError
+    """One Ray for the whole campaign (FACTS.md): the runs' own start-up
+    (:func:`training.runtime.run.start_ray`); platform/prefect.yaml sets ``RAY_ADDRESS=auto``
+    to join the cluster's."""
+    from training.runtime.run import start_ray
 
-    try:
-        init_ray()
-    except RayStartError as e:  # the CLI prints a RunError as one line
-        raise RunError(str(e)) from None
+    start_ray()

@@ -63,6 +63,7 @@ __all__ = [
     "TAG_RECIPE_HASH",
     "TAG_STAGE",
     "MLflowSink",
+    "TrackedRun",
     "Tracker",
     "default_artifact_root",
     "default_tracking_uri",
@@ -321,6 +322,15 @@ class Tracker:
             self.client.update_run(run.info.run_id, status="RUNNING")
         return run.info.run_id
 
+    def campaign_run(self, experiment: str, campaign_id: str, name: str,
+                     tags: Mapping[str, Any] | None = None) -> TrackedRun:
+        """The campaign's parent run in experiment ``experiment`` (created when needed; the
+        existing one continued, :meth:`start_campaign_run`) — a run that does nothing when
+        tracking is off."""
+        exp = self.experiment(experiment)
+        run = self.start_campaign_run(exp, campaign_id, name, tags=tags) if exp else None
+        return TrackedRun(self, exp, run)
+
     @_tolerant("start_campaign_run")
     def start_campaign_run(self, experiment_id: str, campaign_id: str, name: str,
                            tags: Mapping[str, Any] | None = None) -> str:
@@ -475,6 +485,51 @@ class Tracker:
             "runs": json.dumps(list(run_ids), separators=(",", ":")),
             "experiments": json.dumps(experiments, separators=(",", ":"))})
         return f"{ui_base_url(self.tracking_uri)}/#/compare-runs?{query}"
+
+
+class TrackedRun:
+    """One MLflow run of a campaign — its parent run or a candidate's child run — or no run at
+    all (tracking off, or MLflow failed to start it): :attr:`id` is None then and every method
+    does nothing, so the campaign flow never branches on tracking (a null object).
+
+    Made by :meth:`Tracker.campaign_run` and :meth:`candidate_run`; failures after that are
+    tolerated as :class:`Tracker`'s are (a warning, never the campaign).
+    """
+
+    def __init__(self, tracker: Tracker, experiment_id: str | None, run_id: str | None) -> None:
+        self.tracker = tracker
+        self.experiment_id = experiment_id
+        self.id = run_id if experiment_id else None
+
+    def candidate_run(self, *, campaign_id: str, stage: str, candidate: str, recipe: Any,
+                      recipe_hash: str, mode: str) -> TrackedRun:
+        """The child run of one candidate (:meth:`Tracker.start_candidate_run`), with its
+        recipe as ``recipe.json``; no run when this one is none."""
+        if self.id is None:
+            return TrackedRun(self.tracker, None, None)
+        child = self.tracker.start_candidate_run(
+            self.experiment_id, self.id, campaign_id=campaign_id, stage=stage,
+            candidate=candidate, recipe=recipe, recipe_hash=recipe_hash, mode=mode)
+        run = TrackedRun(self.tracker, self.experiment_id, child)
+        run.log_dict(_recipe_dict(recipe), "recipe.json")
+        return run
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if self.id is not None:
+            self.tracker.set_tags(self.id, tags)
+
+    def log_dict(self, data: Mapping[str, Any], name: str) -> None:
+        if self.id is not None:
+            self.tracker.log_dict(self.id, data, name)
+
+    def log_file(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        if self.id is not None:
+            self.tracker.log_artifact_file(self.id, path, artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Mark the run FINISHED, FAILED or KILLED."""
+        if self.id is not None:
+            self.tracker.end_run(self.id, status)
 
 
 class MLflowSink:

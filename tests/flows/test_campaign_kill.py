@@ -12,8 +12,8 @@ owner, and nothing is duplicated. Prefect's task results stay in the state direc
 ``~/.prefect``), so a resume hits the cache of the tasks that finished before a kill.
 
 The two kills during training are sent from outside (SIGKILL once the run has logged steps); the
-three at exact places between tasks use the flow's fault-injection hook (``ASYNCRL_CRASH_AT``,
-:func:`flows.campaign.crash_point`), which SIGKILLs the process itself at that line."""
+three at exact places between tasks install a hook on the flow's named points
+(:data:`flows.campaign.POINT_HOOKS`, through ``crash_at.py``) that SIGKILLs the process there."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+CRASH_AT = Path(__file__).with_name("crash_at.py")
 STEPS = 4
 CAMPAIGN = {
     "name": "killtest",
@@ -129,12 +130,12 @@ def _session(sid: int) -> list[int]:
 
 
 def _crash_at(point: str, args: list[str], env: dict[str, str], log: Path) -> None:
-    """Run the CLI with ``ASYNCRL_CRASH_AT=point``: it must die by SIGKILL (at that point); then
-    stop what it left in its session (by PID). Its stderr goes to ``log``, not a pipe: Prefect's
-    temporary API server, left behind by the kill, would hold a pipe open."""
+    """Run the CLI with a kill -9 hook at ``point`` (crash_at.py): it must die by SIGKILL there;
+    then stop what it left in its session (by PID). Its stderr goes to ``log``, not a pipe:
+    Prefect's temporary API server, left behind by the kill, would hold a pipe open."""
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ui.cli", *args],
-                                env={**env, "ASYNCRL_CRASH_AT": point}, cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, str(CRASH_AT), point, *args], env=env,
+                                cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
             proc.wait(timeout=600)
