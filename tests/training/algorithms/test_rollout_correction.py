@@ -374,6 +374,29 @@ def test_rs_k1_fraction_and_std_metrics() -> None:
     )
 
 
+@pytest.mark.parametrize("mode", ["seq_mean_k3", "seq_sum_k1", "seq_max_k2"])
+def test_rs_seq_mode_std_counts_each_sequence_once_per_token(mode: str) -> None:
+    # The std of a sequence criterion is over tokens of the broadcast sequence statistic; an
+    # all-padding sequence (the garbage row appended here) counts for nothing.
+    threshold = RS_CASES[mode][0]
+    lr = torch.cat([torch.tensor(LR, dtype=torch.float64), torch.full((1, 3), math.inf)])
+    mask = torch.cat([LR_MASK, torch.zeros(1, 3, dtype=torch.bool)])
+    _, m = compute_rollout_rejection_mask(lr, mask, mode, threshold)
+    (opt,) = parse_rs_options(mode, threshold)
+    aggregation, div = mode.rsplit("_", 1)
+    per_seq = [_AGG[aggregation]([_DIV[div](x) for x in row]) for row in VALID]
+    hi = LN(opt.upper) if div == "k1" else opt.upper
+    lo = LN(opt.lower) if div == "k1" else 0.0
+    clamped = [min(max(v, lo), hi) for v, row in zip(per_seq, VALID, strict=True) for _ in row]
+    mean = sum(clamped) / 8
+    std = math.sqrt(sum(c * c for c in clamped) / 8 - mean**2)
+    assert std > 1e-3  # not degenerate
+    assert m[f"rollout_rs_{mode}_std"] == pytest.approx(std)
+    assert m[f"rollout_rs_{mode}_mean"] == pytest.approx(
+        sum(v * len(row) for v, row in zip(per_seq, VALID, strict=True)) / 8
+    )
+
+
 def test_rs_combined_modes_are_anded() -> None:
     lr = torch.tensor(LR, dtype=torch.float64)
     new_mask, m = compute_rollout_rejection_mask(lr, LR_MASK, "token_k2, seq_max_k2", "0.03,0.04")
