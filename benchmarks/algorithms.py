@@ -15,7 +15,9 @@ Both sides get the same tensors: float32 log-probs, a float32 0/1 response mask,
 ``--repeats`` runs after one warm-up, ours and verl's interleaved so that load from other
 processes hits both alike. The table's last column is verl's time ÷ ours (≥ 1: we are at least as
 fast); the last line is the worst such ratio, the figure the target is about. Every verl row also
-checks that the metrics verl and we both report agree (largest relative difference shown).
+checks that the metrics verl and we both report agree (largest relative difference shown, with its
+key: verl's float32 sums and its (n + 1e-8) denominators leave ~1e-4 in ``log_ppl_diff`` and the
+population stds; we accumulate in float64, see ``training.algorithms.rollout_correction``).
 
 verl is never a dependency of this project. It is imported only when ``--verl-path`` (a folder
 with ``verl`` and the few modules its ``rollout_corr_helper`` imports, e.g. a ``pip install
