@@ -30,6 +30,39 @@ def _db(url: str | None = None):
         fail(str(e))
 
 
+class _NoRegistry:
+    """The registry a read sees before the first campaign created it: nothing recorded. (The
+    read commands call only these; any other call is a bug that fails loudly.)"""
+
+    def list_campaigns(self) -> list:
+        return []
+
+    def get_campaign(self, campaign_id: str) -> None:
+        return None
+
+    def get_recipe(self, recipe_hash: str) -> None:
+        return None
+
+    def promotions(self, **_filters: Any) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _read_db():
+    """The registry for a command that only reads. One that does not exist yet is not created
+    (a new or read-only state directory simply has no campaigns), and one at the newest schema
+    opens without Alembic: `campaign status` stays fast."""
+    from registry.db import RegistryError, open_existing
+
+    try:
+        db = open_existing()
+    except RegistryError as e:
+        fail(str(e))
+    return _NoRegistry() if db is None else db
+
+
 # --- campaign -----------------------------------------------------------------------------------
 
 
@@ -288,7 +321,7 @@ def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
            ) -> None:
     """Continue a campaign: finished candidates and promotions are kept, an interrupted
     candidate resumes from its last checkpoint."""
-    db = _db()
+    db = _read_db()
     row = db.get_campaign(campaign_id)
     db.close()
     if row is None:
@@ -305,7 +338,7 @@ def list_campaigns(as_json: bool = typer.Option(False, "--json")) -> None:
     process is gone shows as crashed."""
     from registry.ownership import effective_status
 
-    db = _db()
+    db = _read_db()
     rows: list[dict[str, Any]] = []
     try:
         for c in db.list_campaigns():
@@ -337,7 +370,7 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
                                                      "newest)."),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Stages, candidates, gate results and promotions of a campaign."""
-    db = _db()
+    db = _read_db()
     if campaign_id is None:
         campaigns = sorted(db.list_campaigns(), key=lambda c: c.created_at)
         if not campaigns:
@@ -407,7 +440,7 @@ def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
                   all_: bool = typer.Option(False, "--all", help="Include retired ones."),
                   as_json: bool = typer.Option(False, "--json")) -> None:
     """Promoted recipes (active ones unless --all)."""
-    db = _db()
+    db = _read_db()
     rows = db.promotions(campaign_id=campaign_id, status=None if all_ else "active")
     db.close()
     if as_json:
@@ -428,7 +461,7 @@ def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
 @registry_app.command("show")
 def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -> None:
     """Print a registered recipe (YAML) and its promotions."""
-    db = _db()
+    db = _read_db()
     row = db.get_recipe(recipe_hash)
     promos = [p for p in db.promotions() if p.recipe_hash == recipe_hash]
     db.close()

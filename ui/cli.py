@@ -4,7 +4,6 @@ so `asyncrl --help` and `asyncrl --version` start instantly."""
 from __future__ import annotations
 
 import json
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import typer
@@ -23,6 +22,8 @@ app.add_typer(algorithms_app, name="algorithms")
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # ~0.04 s: only for --version
+
     try:
         return version("asyncrl")
     except PackageNotFoundError:  # running from a source tree without an install

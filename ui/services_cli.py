@@ -536,19 +536,18 @@ def _mlflow_run_ids(run_dirs: list[Path]) -> list[str | None]:
     registry that cannot be read gives no link rather than an error."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from registry.db import RegistryDB, RegistryError, default_url
+    from registry.db import RegistryError, open_existing
 
     ids: list[str | None] = [None] * len(run_dirs)
-    url = default_url()
-    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file():
+    try:
+        db = open_existing(upgrade=False)
+    except (RegistryError, SQLAlchemyError, OSError):
+        return ids
+    if db is None:
         return ids
     wanted = {p.resolve(): i for i, p in enumerate(run_dirs)}
     # a campaign run lives in $ASYNCRL_HOME/campaigns/<id>/<stage>/<candidate>: look there first
     first = list(dict.fromkeys(p.parent.parent.name for p in wanted))
-    try:
-        db = RegistryDB(url, upgrade=False)
-    except (RegistryError, SQLAlchemyError, OSError):
-        return ids
     try:
         def scan(campaign_ids: list[str]) -> None:
             for cid in campaign_ids:

@@ -18,6 +18,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from registry.db import (
+    SCHEMA_HEAD,
     CampaignRecord,
     GateRecord,
     OwnerRecord,
@@ -29,6 +30,7 @@ from registry.db import (
     StageRecord,
     default_url,
     head_revision,
+    open_existing,
 )
 from registry.models import Base
 from training.ownership import ProcessIdentity
@@ -114,6 +116,52 @@ def test_upgrade_false_leaves_an_empty_database_alone(db_url):
         assert db.schema_revision() == head_revision()
     finally:
         db.close()
+
+
+def test_schema_head_is_the_newest_migration():
+    """SCHEMA_HEAD lets a registry at head open without Alembic; a new migration must move it."""
+    assert head_revision() == SCHEMA_HEAD
+
+
+def test_a_registry_behind_head_still_migrates_on_open(db, db_url, campaign):
+    db.downgrade("0002")
+    db.close()
+    again = RegistryDB(db_url)
+    try:
+        assert again.schema_revision() == head_revision()
+        assert again.get_campaign("c1").name == "ladder"
+    finally:
+        again.close()
+
+
+def test_a_registry_at_head_opens_without_alembic(tmp_path):
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    RegistryDB(url).close()
+    code = (f"import sys; from registry.db import RegistryDB; db = RegistryDB({url!r}); "
+            "db.create_campaign('c', 'n', {}); print(db.get_campaign('c').name, "
+            "'alembic' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["n", "False"]
+
+
+def test_open_existing_creates_nothing(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'state' / 'registry.db'}"
+    assert open_existing(url) is None
+    assert not (tmp_path / "state").exists()
+    monkeypatch.delenv("ASYNCRL_REGISTRY_URL", raising=False)
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+    assert open_existing() is None and not (tmp_path / "home").exists()
+    RegistryDB(url).close()  # the first write's open creates and migrates it
+    with open_existing(url) as db:
+        assert db.schema_revision() == head_revision()
+
+
+def test_open_existing_opens_a_server_registry(postgres_db):
+    with open_existing(postgres_db) as db:  # a fresh database: migrated
+        assert db.schema_revision() == head_revision()
+        db.create_campaign("c1", "ladder", SPEC)
+    with open_existing(postgres_db) as db:  # at head: one query, no migration
+        assert [c.id for c in db.list_campaigns()] == ["c1"]
 
 
 def test_two_registries_opening_a_fresh_database_at_once(db_url):
