@@ -8,8 +8,9 @@ Tasks:
   is ``$ASYNCRL_HOME/campaigns/<id>/<stage>/<candidate>``: a finished run is not re-run, a run
   killed mid-way resumes from its last checkpoint.
 - :func:`judge` — evaluates the stage's gates on the run's metric history (and the reference
-  stage's summary): registry rows, a JSON gate report (with the samples the run trained) and
-  PNG plots as MLflow artifacts.
+  stage's summary): registry rows and a JSON gate report (with the samples the run trained) as an
+  MLflow artifact; the run's PNG plots are drawn while the next candidate trains
+  (:mod:`flows.plot_queue`: durable across a kill, waited for before the campaign ends).
 - :func:`promote` — records the winner in the registry (idempotent) and registers its checkpoint
   as an MLflow model version with the alias ``stage-<stage>`` and ``champion``.
 
@@ -48,6 +49,7 @@ from flows.events import (
     PromotedEvent,
     StageEvent,
 )
+from flows.plot_queue import PlotQueue
 from flows.results import CandidateOutcome, GateReport, PromotionResult, TrainedRun
 from flows.tracking import TrackedRun
 from registry.campaign import (
@@ -210,12 +212,13 @@ def judge(*, run: TrainedRun, gates: list[GateSpec],
           tracking_uri: str | None, where: dict[str, str] | None = None,
           reference_runs: dict[str, str] | None = None,
           samples_per_step: int | None = None) -> GateReport:
-    """Evaluate the stage's gates on one run; record them; attach the report and plots. The
+    """Evaluate the stage's gates on one run; record them; attach the report to the run's MLflow
+    run and mark its plots due (:mod:`flows.plot_queue` draws them and ends the MLflow run). The
     report keeps what the run was judged with (``judged_with``: the gates and their params,
     the reference summaries and, for re-run references, their run directories, the context,
     and ``where`` — campaign, stage, candidate), so ``asyncrl gates RUN`` re-judges it the same
     way; and ``samples_trained``, the data the run saw (:func:`samples_trained`)."""
-    from flows.plots import run_plots
+    from flows.plot_queue import plots_due
     from flows.tracking import Tracker
     from registry.db import RegistryDB
     from registry.gates import evaluate_gate, summarize
@@ -247,16 +250,9 @@ def judge(*, run: TrainedRun, gates: list[GateSpec],
     if mlflow_run_id:
         tracker = Tracker(tracking_uri)
         tracker.log_dict(mlflow_run_id, report.to_file(), "gate_report.json")
-        try:
-            pngs = run_plots(history, run_dir / "plots")
-        except Exception as e:  # a plot is a convenience: never fail the judgement over it
-            log.warning("plots of %s failed: %s", run_dir, e)
-            pngs = []
-        for png in pngs:
-            tracker.log_artifact_file(mlflow_run_id, png, "plots")
         tracker.set_tags(mlflow_run_id, {"asyncrl.gates_passed": str(passed).lower(),
                                          "asyncrl.samples_trained": str(trained)})
-        tracker.end_run(mlflow_run_id, "FINISHED")
+        plots_due(run_dir, mlflow_run_id)
     return report
 
 
@@ -399,12 +395,14 @@ class _Ladder:
 
 @dataclass
 class _Flow:
-    """One owned campaign run: the registry, the MLflow parent run and where events go."""
+    """One owned campaign run: the registry, the MLflow parent run, the plot worker and where
+    events go."""
 
     campaign: Campaign
     campaign_id: str
     db: Any
     parent: TrackedRun
+    plots: PlotQueue
     registry_url: str | None
     tracking_uri: str | None
     events: EventFn | None
@@ -523,6 +521,7 @@ class _Flow:
         the parent run's status (a campaign stopped by its gates is FAILED in MLflow too)."""
         from flows.plots import campaign_plot
 
+        self.plots.drain()
         outcome = ladder.outcome
         if outcome.status == "running":
             last = self.campaign.stages[-1].name
@@ -564,6 +563,7 @@ class _Flow:
                        where={"campaign_id": self.campaign_id, "stage": stage.name,
                               "candidate": name},
                        reference_runs=reference_runs, samples_per_step=recipe.samples_per_step)
+        self.plots.add(run.run_dir)  # drawn while the next candidate trains
         # a reference re-run is never promoted: its verdict is information, not a rejection
         status = "finished" if absolute_only or report.passed else "rejected"
         self.db.upsert_run(self.campaign_id, stage.name, name, rhash, status=status)
@@ -585,7 +585,8 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
     from flows.tracking import Tracker
 
     db.set_campaign_status(campaign_id, "running")
-    parent = Tracker(tracking_uri).campaign_run(
+    tracker = Tracker(tracking_uri)
+    parent = tracker.campaign_run(
         f"asyncrl/{campaign.name}", campaign_id, campaign.name,
         tags={"asyncrl.campaign_file": str(campaign_path)})
     if lease.previous is not None:  # the parent run of a crash, continued: say so
@@ -593,7 +594,9 @@ def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, ca
             f"owner {lease.previous.describe} died; resumed by "
             f"{lease.identity.describe()}")})
     _start_ray()
-    fl = _Flow(campaign, campaign_id, db, parent, registry_url, tracking_uri, events)
+    plots = PlotQueue(tracker)
+    plots.recover(campaign_dir(campaign_id))  # plots a killed run of this campaign left due
+    fl = _Flow(campaign, campaign_id, db, parent, plots, registry_url, tracking_uri, events)
     ladder = _Ladder(dict(base), CampaignOutcome(campaign_id, "running", "",
                                                  mlflow_run_id=parent.id))
     try:

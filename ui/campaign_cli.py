@@ -91,6 +91,13 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
     """Record the campaign, take its ownership (a second launch/resume of it is refused in one
     line naming the owner, before Prefect starts) and run its flow in this process."""
     require_state_dir()
+    up_api = None
+    if not os.environ.get("PREFECT_API_URL", "").strip():
+        from ui.services_cli import up_prefect_api
+
+        up_api = up_prefect_api()
+        if up_api:  # before Prefect is imported: it reads its settings once
+            os.environ["PREFECT_API_URL"] = up_api
     from flows import campaign as cflow  # configures Prefect before importing it
     from registry.campaign import CampaignError, load_campaign
     from registry.db import RegistryError
@@ -104,14 +111,15 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
     try:
         cflow.record_campaign(db, campaign, base, path, campaign_id)
         with CampaignLease(db, campaign_id):
-            _follow_flow(cflow, path, campaign_id, as_json)
+            _follow_flow(cflow, path, campaign_id, as_json, up_api)
     except RegistryError as e:  # CampaignOwnedError: another live process runs it
         fail(str(e))
     finally:
         db.close()
 
 
-def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool) -> None:
+def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
+                 up_api: str | None = None) -> None:
     from rich.console import Console
     from rich.live import Live
 
@@ -140,6 +148,12 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool) -> Non
 
         cflow.EVENT_LISTENERS.append(on_event)
         try:
+            if up_api:
+                console.print(f"flow run on the Prefect server of `asyncrl up` ({up_api}); "
+                              "keep it up until the campaign ends")
+            from flows.startup import start_services
+
+            start_services()  # Prefect's temporary API, MLflow's store and Ray, side by side
             # a stopped campaign ends its flow run Failed (flows.campaign.flow_result): read
             # the outcome from the state; an exception the flow raised is raised again here
             flow_state = cflow.campaign_flow(str(path), campaign_id, return_state=True)

@@ -294,6 +294,12 @@ def test_kill_9_at_five_points_then_resume(tmp_path):
         steps = [m.step for m in client.get_metric_history(child.info.run_id,
                                                            "rollout/reward_mean")]
         assert sorted(steps) == list(range(STEPS)), steps  # each step once
+        # the plots drawn after the judge (flows.plot_queue) survived the kills: each run has
+        # them, is ended, and no plot is left due
+        assert child.info.status == "FINISHED"
+        assert any(a.path.endswith(".png")
+                   for a in client.list_artifacts(child.info.run_id, "plots"))
+    assert not list(runs.glob("*/*/plots.todo.json"))
     # one registered checkpoint per promoted stage, and the registry points at those
     assert sorted(int(v.version) for v in versions()) == [1, 2]
     assert sorted(p.mlflow_version for p in promos) == ["1", "2"]
