@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +50,28 @@ from registry.models import (
     RecipeRow,
     StageRow,
     utcnow,
+)
+from registry.records import (
+    DEFAULT_FILE,
+    SCHEMA_HEAD,
+    URL_ENV_VAR,
+    CampaignRecord,
+    GateRecord,
+    OwnerRecord,
+    PromotionRecord,
+    RecipeRecord,
+    RegistryError,
+    RunRecord,
+    StageRecord,
+    _campaign_record,
+    _gate_record,
+    _owner_record,
+    _promotion_record,
+    _recipe_record,
+    _run_record,
+    _stage_record,
+    default_url,
+    owner_alive,
 )
 from training.ownership import ProcessIdentity
 
@@ -85,17 +104,8 @@ __all__ = [
     "with_psycopg3",
 ]
 
-#: Environment variable with a SQLAlchemy URL that overrides the default SQLite file.
-URL_ENV_VAR = "ASYNCRL_REGISTRY_URL"
-#: File name of the default SQLite registry inside the state directory.
-DEFAULT_FILE = "registry.db"
 #: SQLite waits this long for a lock before giving up (ms).
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-#: The newest migration in ``registry/migrations/versions`` (:func:`head_revision` asks Alembic;
-#: ``tests/registry`` checks the two agree, so a new migration must update this). A database
-#: that records exactly this revision opens without Alembic.
-SCHEMA_HEAD = "0003"
-
 CAMPAIGN_STATUSES = ("pending", "running", "finished", "failed", "stopped")
 STAGE_STATUSES = ("pending", "running", "finished", "failed", "stopped", "skipped")
 RUN_STATUSES = ("pending", "running", "finished", "failed", "rejected")
@@ -113,23 +123,6 @@ _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 # process would send each other's DDL to the wrong connection. Across processes the database
 # serialises them (SQLite BEGIN IMMEDIATE, a PostgreSQL advisory lock in env.py).
 _MIGRATION_LOCK = threading.Lock()
-
-
-class RegistryError(Exception):
-    """A registry problem the caller can fix; the message is one line: the problem, then the fix."""
-
-
-def default_url() -> str:
-    """``$ASYNCRL_REGISTRY_URL`` if set, else the SQLite file ``registry.db`` in the state
-    directory (``$ASYNCRL_HOME``, see ``training.paths``). Creates nothing: opening a
-    :class:`RegistryDB` creates the file's directory (one :class:`RegistryError` line when it
-    cannot)."""
-    env = os.environ.get(URL_ENV_VAR, "").strip()
-    if env:
-        return env
-    from training.paths import state_path
-
-    return f"sqlite:///{state_path() / DEFAULT_FILE}"
 
 
 def with_psycopg3(url: str) -> str:
@@ -190,18 +183,6 @@ def _json_dump(value: Any, what: str) -> str | None:
         ) from None
 
 
-def _json_load(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
-
-
-def _iso(ts: datetime | None) -> str | None:
-    if ts is None:
-        return None
-    if ts.tzinfo is None:  # SQLite keeps no zone; we only ever write UTC
-        ts = ts.replace(tzinfo=UTC)
-    return ts.astimezone(UTC).isoformat()
-
-
 def _float(value: Any, what: str) -> float | None:
     if value is None:
         return None
@@ -226,245 +207,6 @@ def _nonempty(value: Any, what: str) -> str:
 
 def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
-
-
-# --------------------------------------------------------------------------------------------
-# records: what the read methods return
-
-
-class _Record:
-    """A registry row as a frozen value. Fields hold the row's values with JSON columns decoded
-    and timestamps as ISO-8601 UTC strings (the layout ``--json`` prints); :meth:`to_dict` is
-    that layout as a plain dict. JSON values (dicts, lists) are the decoded data itself, not
-    frozen copies: treat them as read-only."""
-
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict, in field order (JSON values copied)."""
-        return asdict(self)  # type: ignore[call-overload]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CampaignRecord(_Record):
-    """A campaign (``campaigns`` row)."""
-
-    id: str
-    name: str
-    """The campaign id (the registry key) and the campaign's name."""
-    spec: dict[str, Any]
-    """What was recorded at launch (``flows.campaign.record_campaign``: the campaign, its base
-    recipe's hash, ``path`` of the campaign file); a resume with another spec is refused."""
-    status: str
-    verdict: str | None
-    diagnosis: dict[str, Any] | None
-    """Recorded status (:data:`CAMPAIGN_STATUSES`; ``registry.ownership.effective_status``
-    tells a crashed ``running`` one), the one-line verdict and the diagnosis of a stopped
-    campaign (None until set)."""
-    created_at: str
-    updated_at: str
-    """When the campaign was recorded and last changed (ISO-8601, UTC)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageRecord(_Record):
-    """A campaign stage (``stages`` row)."""
-
-    campaign_id: str
-    name: str
-    index: int
-    """The campaign, the stage's name and its position in the ladder (0 first)."""
-    status: str
-    promoted_candidate: str | None
-    """:data:`STAGE_STATUSES`, and the candidate of the stage's newest active promotion."""
-    created_at: str
-    updated_at: str
-    """When the stage was recorded and last changed (ISO-8601, UTC)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RecipeRecord(_Record):
-    """A stored recipe (``recipes`` row), keyed by its hash."""
-
-    hash: str
-    name: str
-    yaml: str
-    """The recipe hash (its identity), the recipe's name and its full YAML."""
-    created_at: str
-    """When it was first stored (ISO-8601, UTC)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunRecord(_Record):
-    """A candidate run (``candidate_runs`` row): one candidate of one stage of a campaign."""
-
-    id: int
-    campaign_id: str
-    stage: str
-    candidate: str
-    recipe_hash: str
-    """The run's id (what gate results refer to), the (campaign, stage, candidate) it is unique
-    for, and the hash of the recipe it trains."""
-    status: str
-    run_dir: str | None
-    mlflow_run_id: str | None
-    summary: dict[str, Any] | None
-    """:data:`RUN_STATUSES`, the run directory, the MLflow child run and the summary metrics
-    of a finished run (None until written)."""
-    started_at: str | None
-    finished_at: str | None
-    created_at: str
-    updated_at: str
-    """When it first ran, when it ended (None while pending or running again), when it was
-    recorded and last changed (ISO-8601, UTC)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GateRecord(_Record):
-    """One gate's result for a run (``gate_results`` row)."""
-
-    run_id: int
-    name: str
-    passed: bool
-    """The run judged, the gate's name and its verdict."""
-    value: float | None
-    threshold: float | None
-    window: tuple[int | None, int | None] | None
-    """The measured value and the threshold it was held to (None when unset or NaN), and the
-    (start, end) steps it was measured over (None when not recorded)."""
-    evidence: Any
-    params: dict[str, Any] | None
-    """The gate's evidence (text or JSON data) and the parameters it ran with."""
-    created_at: str
-    """When the result was recorded (ISO-8601, UTC)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PromotionRecord(_Record):
-    """A promotion (``promotions`` row): a campaign's auto promotion of a stage winner, or a
-    person's by hand."""
-
-    id: int
-    campaign_id: str | None
-    stage: str | None
-    candidate: str
-    """The promotion id, the campaign stage it promotes (None for a global, hand-made one) and
-    the candidate."""
-    recipe_hash: str
-    checkpoint: str | None
-    mlflow_version: str | None
-    """The promoted recipe, its checkpoint and the MLflow model version registered for it."""
-    actor: str
-    reason: str
-    status: str
-    created_at: str
-    """Who promoted (:data:`AUTO` or a person), why, :data:`PROMOTION_STATUSES` and when
-    (ISO-8601, UTC)."""
-    retired_at: str | None
-    retired_by: str | None
-    retire_reason: str | None
-    """When, by whom and why it was retired (None while active)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OwnerRecord(_Record):
-    """The process owning a campaign (``campaign_owners`` row), judged alive or not when read."""
-
-    campaign_id: str
-    host: str
-    pid: int
-    start_ticks: int | None
-    """The campaign, and the owner process: host, PID and start time in clock ticks."""
-    acquired_at: str
-    heartbeat_at: str
-    """When it took the campaign and when it last refreshed its heartbeat (ISO-8601, UTC)."""
-    alive: bool
-    describe: str
-    """Whether the owner was alive when read (:func:`owner_alive`) and the process in words
-    (``PID 123 on host (since …)``, as error messages name it)."""
-
-
-def _campaign_record(c: CampaignRow) -> CampaignRecord:
-    return CampaignRecord(
-        id=c.id,
-        name=c.name,
-        spec=_json_load(c.spec),
-        status=c.status,
-        verdict=c.verdict,
-        diagnosis=_json_load(c.diagnosis),
-        created_at=_iso(c.created_at),
-        updated_at=_iso(c.updated_at),
-    )
-
-
-def _stage_record(s: StageRow) -> StageRecord:
-    return StageRecord(
-        campaign_id=s.campaign_id,
-        name=s.name,
-        index=s.position,
-        status=s.status,
-        promoted_candidate=s.promoted_candidate,
-        created_at=_iso(s.created_at),
-        updated_at=_iso(s.updated_at),
-    )
-
-
-def _recipe_record(r: RecipeRow) -> RecipeRecord:
-    return RecipeRecord(hash=r.hash, name=r.name, yaml=r.yaml, created_at=_iso(r.created_at))
-
-
-def _run_record(r: CandidateRunRow) -> RunRecord:
-    return RunRecord(
-        id=r.id,
-        campaign_id=r.campaign_id,
-        stage=r.stage,
-        candidate=r.candidate,
-        recipe_hash=r.recipe_hash,
-        status=r.status,
-        run_dir=r.run_dir,
-        mlflow_run_id=r.mlflow_run_id,
-        summary=_json_load(r.summary),
-        started_at=_iso(r.started_at),
-        finished_at=_iso(r.finished_at),
-        created_at=_iso(r.created_at),
-        updated_at=_iso(r.updated_at),
-    )
-
-
-def _gate_record(g: GateResultRow) -> GateRecord:
-    window = None
-    if g.window_start is not None or g.window_end is not None:
-        window = (g.window_start, g.window_end)
-    return GateRecord(
-        run_id=g.run_id,
-        name=g.name,
-        passed=bool(g.passed),
-        value=g.value,
-        threshold=g.threshold,
-        window=window,
-        evidence=_json_load(g.evidence),
-        params=_json_load(g.params),
-        created_at=_iso(g.created_at),
-    )
-
-
-def _promotion_record(p: PromotionRow) -> PromotionRecord:
-    return PromotionRecord(
-        id=p.id,
-        campaign_id=p.campaign_id,
-        stage=p.stage,
-        candidate=p.candidate,
-        recipe_hash=p.recipe_hash,
-        checkpoint=p.checkpoint,
-        mlflow_version=p.mlflow_version,
-        actor=p.actor,
-        reason=p.reason,
-        status=p.status,
-        created_at=_iso(p.created_at),
-        retired_at=_iso(p.retired_at),
-        retired_by=p.retired_by,
-        retire_reason=p.retire_reason,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1186,27 +928,3 @@ def open_existing(url: str | None = None, *, upgrade: bool = True) -> RegistryDB
     return RegistryDB(raw, upgrade=upgrade)
 
 
-def owner_alive(identity: ProcessIdentity, heartbeat_at: datetime, heartbeat_ttl_s: float
-                ) -> bool:
-    """A process on this host is alive when its PID exists with the recorded start time; one on
-    another host, while its heartbeat is younger than ``heartbeat_ttl_s``."""
-    seen = identity.alive()
-    if seen is not None:
-        return seen
-    if heartbeat_at.tzinfo is None:
-        heartbeat_at = heartbeat_at.replace(tzinfo=UTC)
-    return (utcnow() - heartbeat_at).total_seconds() < heartbeat_ttl_s
-
-
-def _owner_record(row: CampaignOwnerRow, heartbeat_ttl_s: float) -> OwnerRecord:
-    identity = ProcessIdentity(host=row.host, pid=row.pid, start_ticks=row.start_ticks,
-                               token=row.token, since=_aware(row.acquired_at).timestamp())
-    return OwnerRecord(campaign_id=row.campaign_id, host=row.host, pid=row.pid,
-                       start_ticks=row.start_ticks, acquired_at=_iso(row.acquired_at),
-                       heartbeat_at=_iso(row.heartbeat_at),
-                       alive=owner_alive(identity, row.heartbeat_at, heartbeat_ttl_s),
-                       describe=identity.describe())
-
-
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-from registry.db import CampaignRecord, OwnerRecord, RegistryDB
+from registry.records import CampaignRecord, OwnerRecord
 from training.ownership import ProcessIdentity
+
+if TYPE_CHECKING:  # effective_status also takes the SQLAlchemy-free registry.sqlite_reader
+    from registry.db import RegistryDB
+    from registry.sqlite_reader import SQLiteReader
 
 __all__ = ["HEARTBEAT_EVERY_S", "HEARTBEAT_TTL_S", "CampaignLease", "effective_status"]
 
@@ -104,7 +109,7 @@ class CampaignLease:
             log.warning("could not release campaign %s: %s", self.campaign_id, e)
 
 
-def effective_status(db: RegistryDB, campaign: CampaignRecord
+def effective_status(db: RegistryDB | SQLiteReader, campaign: CampaignRecord
                      ) -> tuple[str, OwnerRecord | None]:
     """``(status, owner)``: the recorded status, except ``"crashed"`` for a ``running``
     campaign whose owner is gone (or was never recorded); ``owner`` is its record or None."""

@@ -52,12 +52,14 @@ class _NoRegistry:
 
 def _read_db():
     """The registry for a command that only reads. One that does not exist yet is not created
-    (a new or read-only state directory simply has no campaigns), and one at the newest schema
-    opens without Alembic: `campaign status` stays fast."""
-    from registry.db import RegistryError, open_existing
+    (a new or read-only state directory simply has no campaigns), and the default SQLite one at
+    the newest schema is read without SQLAlchemy (registry.sqlite_reader): `campaign status`
+    stays fast."""
+    from registry.records import RegistryError
+    from registry.sqlite_reader import open_reader
 
     try:
-        db = open_existing()
+        db = open_reader()
     except RegistryError as e:
         fail(str(e))
     return _NoRegistry() if db is None else db
