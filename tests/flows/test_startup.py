@@ -93,3 +93,34 @@ def test_up_server_not_there(tmp_path, monkeypatch, record):
     assert up_prefect_api() is None  # no record
     (tmp_path / "services.json").write_text(record)
     assert up_prefect_api() is None  # unreadable, or pid 1 is not the server it recorded
+
+
+def test_up_server_found_when_alive_and_answering(tmp_path, monkeypatch):
+    """A live process recorded by `asyncrl up` (here: this one, with its start time) whose health
+    URL answers 200: its API URL is used; once the URL stops answering, it is not."""
+    import http.server
+    import threading
+
+    from ui.services_cli import _start_ticks, up_prefect_api
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/api/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
+    (tmp_path / "services.json").write_text(json.dumps({"prefect": {
+        "pid": os.getpid(), "pgid": os.getpid(), "proc_start": _start_ticks(os.getpid()),
+        "health": f"{base}/api/health", "export": f"PREFECT_API_URL={base}/api"}}))
+    try:
+        assert up_prefect_api() == f"{base}/api"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert up_prefect_api() is None
