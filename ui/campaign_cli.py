@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ui.common import DEFAULT_PREFECT_PORT, HOST, answers, fail, require_state_dir
+from ui.common import (
+    DEFAULT_PREFECT_PORT,
+    HOST,
+    answers,
+    fail,
+    require_state_dir,
+    up_prefect_api,
+)
 
 if TYPE_CHECKING:
     from registry.db import OwnerRecord
@@ -95,8 +102,6 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
     require_state_dir()
     up_api = None
     if not os.environ.get("PREFECT_API_URL", "").strip():
-        from ui.services_cli import up_prefect_api
-
         up_api = up_prefect_api()
         if up_api:  # before Prefect is imported: it reads its settings once
             os.environ["PREFECT_API_URL"] = up_api

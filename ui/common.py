@@ -39,3 +39,29 @@ def answers(url: str) -> bool:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def up_prefect_api() -> str | None:
+    """The API URL of the Prefect server `asyncrl up` runs for this state directory (its entry
+    in ``$ASYNCRL_HOME/services.json``), when that process is alive — the same PID with the
+    recorded start time — and its health URL answers; None otherwise (no record, a stale or
+    unreadable one)."""
+    import json
+
+    from training.ownership import pid_alive, process_start_ticks
+    from training.paths import state_path
+
+    try:
+        data = json.loads((state_path() / "services.json").read_text())
+        entry = data["prefect"]
+        pid = int(entry["pid"])
+        recorded = entry.get("proc_start")
+        api = str(entry.get("export", "")).partition("=")[2]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if pid <= 0 or not pid_alive(pid):
+        return None
+    now = process_start_ticks(pid)
+    if recorded is not None and now is not None and str(now) != str(recorded):
+        return None  # the PID now belongs to another process
+    return api if api and answers(str(entry.get("health", ""))) else None

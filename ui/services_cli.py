@@ -362,20 +362,6 @@ def up(
     typer.echo("Stop them with `asyncrl down`.")
 
 
-def up_prefect_api() -> str | None:
-    """The API URL of the Prefect server `asyncrl up` runs for this state directory, when that
-    process is alive and answers; None otherwise (no record, a stale or unreadable one)."""
-    try:
-        data = json.loads(_record_path().read_text())
-    except (OSError, ValueError):
-        return None
-    entry = data.get("prefect") if isinstance(data, dict) else None
-    if not isinstance(entry, dict) or not _is_ours(entry):
-        return None
-    api = str(entry.get("export", "")).partition("=")[2]
-    return api if api and answers(str(entry.get("health", ""))) else None
-
-
 def down() -> None:
     """Stop the servers `asyncrl up` started (their process groups, by recorded PID; SIGTERM,
     SIGKILL after 15 s). Stop `asyncrl deploy` processes (Ctrl-C) first: served flows hang when

@@ -87,7 +87,7 @@ def test_a_chosen_prefect_api_is_used_as_it_is(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("record", ["{not json", json.dumps({"prefect": {"pid": 1}})])
 def test_up_server_not_there(tmp_path, monkeypatch, record):
-    from ui.services_cli import up_prefect_api
+    from ui.common import up_prefect_api
 
     monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
     assert up_prefect_api() is None  # no record
@@ -101,7 +101,8 @@ def test_up_server_found_when_alive_and_answering(tmp_path, monkeypatch):
     import http.server
     import threading
 
-    from ui.services_cli import _start_ticks, up_prefect_api
+    from training.ownership import process_start_ticks
+    from ui.common import up_prefect_api
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -116,7 +117,8 @@ def test_up_server_found_when_alive_and_answering(tmp_path, monkeypatch):
     base = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
     (tmp_path / "services.json").write_text(json.dumps({"prefect": {
-        "pid": os.getpid(), "pgid": os.getpid(), "proc_start": _start_ticks(os.getpid()),
+        "pid": os.getpid(), "pgid": os.getpid(),
+        "proc_start": str(process_start_ticks(os.getpid())),
         "health": f"{base}/api/health", "export": f"PREFECT_API_URL={base}/api"}}))
     try:
         assert up_prefect_api() == f"{base}/api"
