@@ -31,6 +31,11 @@ Unlike SGLang's own router (which rewrites request bodies and drops ``return_rou
 this one forwards the ``/generate`` body untouched, so R3 routing replay works through it.
 Fan-out calls (weights, pause/continue, abort, flush) go to every admitted engine.
 
+Transport: aiohttp, one connection pool per client. Measured in the rollouter of
+``benchmarks/async_speedup.py`` (py-spy, 2026-11-26): with httpx, ~70 % of the rollouter's CPU
+went to httpcore's connection pool, which checks every pooled connection's socket on every
+request — O(connections) per request with 64 requests in flight.
+
 ``SyncRolloutClient`` wraps it for blocking code: same methods, run on a private event loop thread.
 """
 
@@ -48,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from training.engines.rollout import (
     PAUSE_MODES,
@@ -68,6 +73,33 @@ T = TypeVar("T")
 
 class NoHealthyEngineError(RolloutEngineError):
     """Every engine is ejected and none came back in time."""
+
+
+# what a send that never got an HTTP answer raises: refused or dropped connection, timeout
+TransportError = (aiohttp.ClientError, TimeoutError, OSError)
+
+# idle pooled connections are closed before a server's keep-alive timeout (uvicorn's default,
+# used by the embedded server and SGLang, is 5 s) can close them under a request being sent
+_KEEPALIVE_S = 2.0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP answer, read whole."""
+
+    status: int
+    body: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
 
 
 @dataclass
@@ -159,10 +191,12 @@ class RolloutClient:
         self.failures_to_eject = failures_to_eject
         self.max_attempts = max_attempts
         self.wait_for_engine_s = wait_for_engine_s
-        self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
+                                              sock_read=request_timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self._moe_layout = moe_layout
         self.resync = resync
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
         self._admitted_event: asyncio.Event | None = None
         self._layout_lock: asyncio.Lock | None = None
@@ -177,8 +211,9 @@ class RolloutClient:
     async def start(self) -> RolloutClient:
         """Open the HTTP pool and start the health checks (idempotent; ``generate`` calls it)."""
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(
-                max_connections=4096, max_keepalive_connections=512))
+            self._http = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(
+                    limit=4096, keepalive_timeout=_KEEPALIVE_S))
             self._admitted_event = asyncio.Event()
             self._layout_lock = asyncio.Lock()
             self._admitted_event.set()
@@ -191,7 +226,7 @@ class RolloutClient:
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
             self._http = None
 
     async def __aenter__(self) -> RolloutClient:
@@ -257,24 +292,23 @@ class RolloutClient:
             engine.outstanding_tokens += est
             engine.requests += 1
             try:
-                resp = await self._http.post(engine.url + "/generate", content=content,
-                                             headers={"content-type": "application/json"})
-            except httpx.RequestError as e:  # connection refused / dropped, timeout
+                resp = await self._post(engine.url + "/generate", content)
+            except TransportError as e:  # connection refused / dropped, timeout
                 last_error = f"{type(e).__name__}: {e}"
                 self._attempt_failed(engine, last_error, eject=True)
                 continue
             finally:
                 engine.in_flight -= 1
                 engine.outstanding_tokens -= est
-            if 400 <= resp.status_code < 500:  # the request's fault: the engine is fine
+            if 400 <= resp.status < 500:  # the request's fault: the engine is fine
                 engine.consecutive_failures = 0
                 engine.rejected += 1
                 self._counters["rejected"] += 1
                 raise EngineRequestError(f"{engine.url} rejected the request (HTTP "
-                                         f"{resp.status_code}): {_error_message(resp)}")
-            answer = _json_or_none(resp) if 200 <= resp.status_code < 300 else None
+                                         f"{resp.status}): {_error_message(resp)}")
+            answer = _json_or_none(resp) if resp.is_success else None
             if answer is None:
-                last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                last_error = f"HTTP {resp.status}: {resp.text[:200]}"
                 eject = engine.consecutive_failures + 1 >= self.failures_to_eject
                 self._attempt_failed(engine, last_error, eject=eject)
                 continue
@@ -346,14 +380,15 @@ class RolloutClient:
         errors = []
         for e in self._admitted() or list(self.engines.values()):
             try:
-                resp = await self._http.get(e.url + "/model_info", timeout=self.health_timeout_s)
-                if resp.status_code == 404:
-                    resp = await self._http.get(e.url + "/get_model_info",
-                                                timeout=self.health_timeout_s)
-                resp.raise_for_status()
+                resp = await self._get(e.url + "/model_info")
+                if resp.status == 404:
+                    resp = await self._get(e.url + "/get_model_info")
+                if not resp.is_success:
+                    errors.append(f"{e.url}: HTTP {resp.status}: {_error_message(resp)}")
+                    continue
                 return ModelInfo.from_dict(resp.json())
-            except httpx.HTTPError as err:
-                errors.append(f"{e.url}: {err}")
+            except (*TransportError, ValueError) as err:
+                errors.append(f"{e.url}: {type(err).__name__}: {err}")
         raise RolloutEngineError(f"no engine answered /model_info ({'; '.join(errors)})")
 
     def stats(self) -> RouterStats:
@@ -403,9 +438,8 @@ class RolloutClient:
     # --- health ------------------------------------------------------------------------------
     async def _probe(self, url: str) -> bool:
         try:
-            resp = await self._http.get(url + "/health", timeout=self.health_timeout_s)
-            return resp.status_code == 200
-        except httpx.HTTPError:
+            return (await self._get(url + "/health")).status == 200
+        except TransportError:
             return False
 
     async def _health_loop(self) -> None:
@@ -439,11 +473,10 @@ class RolloutClient:
         try:
             if self._weights is not None:
                 path, version = self._weights
-                info = await self._http.get(engine.url + "/model_info",
-                                            timeout=self.health_timeout_s)
+                info = await self._get(engine.url + "/model_info")
                 current = ModelInfo.from_dict(info.json()).weight_version
                 if current != version:
-                    resp = await self._http.post(engine.url + "/update_weights_from_disk", json={
+                    resp = await self._post_json(engine.url + "/update_weights_from_disk", {
                         "model_path": path, "weight_version": weight_version_label(version)})
                     data = _json_or_none(resp) or {}
                     if not data.get("success", False):
@@ -451,29 +484,45 @@ class RolloutClient:
                         return False
                     self._counters["resyncs"] += 1
             if self._paused is not None:
-                (await self._http.post(engine.url + "/pause_generation",
-                                       json={"mode": self._paused})).raise_for_status()
+                resp = await self._post_json(engine.url + "/pause_generation",
+                                             {"mode": self._paused})
             else:  # it may have missed the fleet's continue while it was ejected
-                (await self._http.post(engine.url + "/continue_generation",
-                                       json={})).raise_for_status()
-        except (httpx.HTTPError, RolloutEngineError, ValueError) as e:
+                resp = await self._post_json(engine.url + "/continue_generation", {})
+            if not resp.is_success:
+                engine.last_error = f"resync failed: HTTP {resp.status}: {_error_message(resp)}"
+                return False
+        except (*TransportError, RolloutEngineError, ValueError) as e:
             engine.last_error = f"resync failed: {e}"
             return False
         return True
 
+    # --- HTTP --------------------------------------------------------------------------------
+    async def _post(self, url: str, content: bytes) -> Reply:
+        async with self._http.post(url, data=content,
+                                   headers={"content-type": "application/json"}) as resp:
+            return Reply(resp.status, await resp.read())
+
+    async def _post_json(self, url: str, body: dict[str, Any]) -> Reply:
+        return await self._post(url, json.dumps(body).encode())
+
+    async def _get(self, url: str) -> Reply:
+        """A short control-plane GET (health, model info), under the health timeout."""
+        async with self._http.get(url, timeout=self._health_timeout) as resp:
+            return Reply(resp.status, await resp.read())
+
     # --- fan-out -----------------------------------------------------------------------------
     async def _broadcast(self, path: str, body: dict[str, Any]
-                         ) -> dict[str, httpx.Response | Exception]:
+                         ) -> dict[str, Reply | Exception]:
         await self.start()
         targets = self._admitted()
         if not targets:
             raise NoHealthyEngineError(f"no admitted engine to send {path} to "
                                        f"(engines: {list(self.engines)})")
 
-        async def one(e: EngineState) -> httpx.Response | Exception:
+        async def one(e: EngineState) -> Reply | Exception:
             try:
-                return await self._http.post(e.url + path, json=body)
-            except httpx.TransportError as err:
+                return await self._post_json(e.url + path, body)
+            except TransportError as err:
                 self._eject(e, f"{path}: {err!r}")
                 return err
 
@@ -481,8 +530,8 @@ class RolloutClient:
         return {e.url: a for e, a in zip(targets, answers, strict=True)}
 
     @staticmethod
-    def _raise_on_error(answers: dict[str, httpx.Response | Exception]) -> None:
-        bad = {u: (str(a) if isinstance(a, Exception) else f"HTTP {a.status_code}: "
+    def _raise_on_error(answers: dict[str, Reply | Exception]) -> None:
+        bad = {u: (str(a) if isinstance(a, Exception) else f"HTTP {a.status}: "
                    f"{_error_message(a)}") for u, a in answers.items()
                if isinstance(a, Exception) or not a.is_success}
         reachable_ok = [a for a in answers.values() if not isinstance(a, Exception)]
@@ -604,14 +653,14 @@ def _positive_int(value: Any, default: int) -> int:
     return default
 
 
-def _json_or_none(resp: httpx.Response) -> Any:
+def _json_or_none(resp: Reply) -> Any:
     try:
         return resp.json()
     except (json.JSONDecodeError, ValueError):
         return None
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _error_message(resp: Reply) -> str:
     data = _json_or_none(resp)
     if isinstance(data, dict):
         err = data.get("error")
