@@ -323,6 +323,13 @@ class EnginesConfig(_Strict):
         "mismatch)."))
     max_batch: YamlInt = Field(64, ge=1, le=4096, description=(
         "Most sequences one rollout server decodes together."))
+    rollout_threads: YamlInt = Field(1, ge=1, le=256, description=(
+        "Torch threads of each embedded rollout server. 1 (default) keeps a server on one core, "
+        "beside a 1-thread trainer (seed 002's resource isolation for async modes); in sync "
+        "mode, where generation and training take turns, giving both all the cores (e.g. 2 and "
+        "2 on a 2-core machine) lets each phase use the whole machine."))
+    train_threads: YamlInt = Field(1, ge=1, le=256, description=(
+        "Torch threads of the embedded trainer (see rollout_threads)."))
     snapshot_budget_mb: YamlInt = Field(256, ge=0, le=1_000_000, description=(
         "CPU memory for old weight versions kept by the trainer (old_logprob: snapshot, R2)."))
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description=(
@@ -1018,7 +1025,9 @@ _ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
     ("algorithm", "correction", "args", {}),
     ("algorithm", "loss", "loss_scale_factor", None),
     ("model", None, "origin", None),
-    ("model", None, "moe_experts", None))
+    ("model", None, "moe_experts", None),
+    ("engines", None, "rollout_threads", 1),
+    ("engines", None, "train_threads", 1))
 
 
 def recipe_hash(recipe: Recipe) -> str:

@@ -114,7 +114,7 @@ class TrainerWorker:
         from training.engines.train import OptimConfig
         from training.runtime.learner import Learner
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(recipe.engines.train_threads)
         self.recipe = recipe
         o = self.recipe.optim
         optim = OptimConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,

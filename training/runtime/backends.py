@@ -79,7 +79,8 @@ class EmbeddedBackend(RolloutBackend):
 
         e = self.recipe.engines
         servers = [EmbeddedServer(checkpoint, dtype=e.rollout_dtype, logit_noise=e.logit_noise,
-                                  seed=self.recipe.seed + i, max_batch=e.max_batch, threads=1)
+                                  seed=self.recipe.seed + i, max_batch=e.max_batch,
+                                  threads=e.rollout_threads)
                    for i in range(e.num_rollout_engines)]
         self.servers = servers  # stopped by stop() even when start_all fails half-way
         try:
