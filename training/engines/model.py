@@ -151,6 +151,24 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------------
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose bf16 product on CPU accumulates in fp32.
+
+    bf16 input and bf16-valued weight, upcast; the product in fp32; the output rounded to bf16 —
+    a bf16 GEMM as GPUs run it (fp32 accumulation). Only the summation order differs from
+    torch's own CPU bf16 kernel, which on a CPU without bf16 units is 2–3× slower (the embedded
+    engine in-process, batch 64 × 64 new tokens, 1 thread: dense 1263 → 3713 tokens/s, MoE
+    920 → 2446). The upcast is made per call (cheaper than keeping a copy in step with the
+    weight). Differentiable; any other dtype or device is plain ``nn.Linear``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -189,10 +207,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_bias: torch.Tensor, cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -221,9 +239,9 @@ class MLP(nn.Module):
 
     def __init__(self, d: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d, inter, bias=False)
-        self.up_proj = nn.Linear(d, inter, bias=False)
-        self.down_proj = nn.Linear(inter, d, bias=False)
+        self.gate_proj = Linear(d, inter, bias=False)
+        self.up_proj = Linear(d, inter, bias=False)
+        self.down_proj = Linear(inter, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -234,9 +252,9 @@ class Expert(nn.Module):
 
     def __init__(self, d: int, inter: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(d, inter, bias=False)
-        self.w2 = nn.Linear(inter, d, bias=False)
-        self.w3 = nn.Linear(d, inter, bias=False)
+        self.w1 = Linear(d, inter, bias=False)
+        self.w2 = Linear(inter, d, bias=False)
+        self.w3 = Linear(d, inter, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -248,7 +266,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(
             Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_experts))
 
@@ -329,7 +347,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Inner(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
