@@ -10,7 +10,8 @@ Prints, in one run and side by side:
      new tokens each, bf16), Hugging Face ``transformers`` ``generate`` on the same checkpoint
      directory (bf16, one batch of the same 64 prompts, the same number of new tokens with EOS
      masked by ``min_new_tokens``, plain sampling at temperature 1, KV cache on, one thread like
-     the server), and the ratio server ÷ HF (the target is >= 1; the goal 2);
+     the server), and the ratio server ÷ HF (the target is >= 1; the goal 2); HF in fp32 is
+     printed beside it (what a CPU user may load instead: fp32 weights, no bf16 rounding);
   2. train-step tokens/s of the fp32 trainer (256 sequences of the warm-start task, PPO loss);
   3. weight-sync time: trainer export to an HF directory + server ``/update_weights_from_disk``;
   4. the same-checkpoint mismatch table (``asyncrl check-mismatch`` metrics) for the rollout modes
@@ -71,19 +72,21 @@ def bench_generation(ckpt: Path, batch: int, new_tokens: int, repeats: int = 1) 
     return max(rates)
 
 
-def bench_hf_generation(ckpt: Path, batch: int, new_tokens: int, repeats: int = 1) -> float:
+def bench_hf_generation(ckpt: Path, batch: int, new_tokens: int, repeats: int = 1,
+                        dtype: torch.dtype = torch.bfloat16) -> float:
     """tokens/s of ``transformers`` ``generate`` on ``ckpt``, set up as :func:`bench_generation`.
 
     The server pays for HTTP and per-request scheduling while HF runs one in-process batch; that
     is still the fair comparison, because in-process ``generate`` is what a user would otherwise
-    run for a small model on CPU.
+    run for a small model on CPU. ``dtype``: bf16 (the server's precision; the target's row) or
+    fp32 (what a CPU user may load instead; printed beside it).
     """
     from transformers import AutoModelForCausalLM  # heavy; only for this row
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server process's thread count (EmbeddedServer threads=1)
     try:
-        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
         tok_prompt = torch.tensor([[1, *range(5, 15)]] * batch)
         kwargs = dict(attention_mask=torch.ones_like(tok_prompt), do_sample=True, temperature=1.0,
                       top_k=0, top_p=1.0, use_cache=True, min_new_tokens=new_tokens,
@@ -154,12 +157,13 @@ def main() -> None:
         batch, new_tokens, repeats = 64, 32 if args.quick else 64, 2 if args.quick else 3
         print(f"== generation (bf16, 1 thread, batch {batch} × {new_tokens} new tokens, "
               f"temperature 1, best of {repeats}) ==")
-        print(f"{'model':<6} {'server tokens/s':>16} {'HF generate tokens/s':>21} "
-              f"{'server ÷ HF':>12}")
+        print(f"{'model':<6} {'server tokens/s':>16} {'HF generate fp32':>17} "
+              f"{'HF generate bf16':>17} {'server ÷ HF bf16':>17}")
         for name, ckpt in ckpts.items():
             ours = bench_generation(ckpt, batch, new_tokens, repeats)
+            hf32 = bench_hf_generation(ckpt, batch, new_tokens, repeats, torch.float32)
             hf = bench_hf_generation(ckpt, batch, new_tokens, repeats)
-            print(f"{name:<6} {ours:>16.0f} {hf:>21.0f} {ours / hf:>11.2f}×")
+            print(f"{name:<6} {ours:>16.0f} {hf32:>17.0f} {hf:>17.0f} {ours / hf:>16.2f}×")
 
     if "train" in sections:
         print("\n== train step (fp32, 1 thread, vanilla PPO loss) and weight sync ==")

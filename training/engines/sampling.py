@@ -5,6 +5,8 @@ kernels differ from Megatron's, so the engine-mismatch machinery sees a real gap
 
 - ``fp32``: weights and activations fp32. Matches the trainer to ~1e-5 (the agreement test).
 - ``bf16`` (default): weights and activations bfloat16; logits are cast to fp32 for sampling.
+  The projections accumulate in fp32 and round their output to bf16, as GPU bf16 GEMMs do
+  (:class:`~training.engines.model.Linear`).
 - ``fp8``: *simulated* FP8 weights. Every attention and MLP/expert projection weight is quantised
   to float8_e4m3fn with one per-tensor scale (amax / 448) and immediately dequantised to bf16;
   compute stays bf16. Embeddings, the LM head, the MoE router and the norms stay bf16, as FP8

@@ -74,3 +74,52 @@ def test_config_validation_and_hf_round_trip():
         ModelConfig(**{**CFG, "num_kv_heads": 3})
     with pytest.raises(ValueError, match="unsupported model_type"):
         ModelConfig.from_hf_dict({"model_type": "gpt2"})
+
+
+# --- bf16 projections on CPU (issue 16) ----------------------------------------------------------
+
+def test_bf16_linear_accumulates_in_fp32_and_rounds_its_output():
+    """Hand-made case where a bf16 accumulator and an fp32 one disagree: 1 + 2^-8 + 2^-8.
+
+    Each term is exact in bf16 (8 bits of mantissa); their fp32 sum 1 + 2^-7 is exact in bf16
+    too, while adding 2^-8 to 1 in bf16 rounds back to 1 (ties to even)."""
+    from training.engines.model import Linear
+
+    lin = Linear(3, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 2.0**-8, 2.0**-8]]))
+    lin = lin.to(torch.bfloat16)
+    x = torch.ones(1, 3, dtype=torch.bfloat16)
+    out = lin(x)
+    assert out.dtype == torch.bfloat16
+    assert out.item() == 1.0 + 2.0**-7
+    # rounding of the output: 1 + 2^-9 (fp32 sum) is not a bf16 number and rounds to 1
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 2.0**-10, 2.0**-10]], dtype=torch.bfloat16))
+    assert lin(x).item() == 1.0
+
+
+def test_bf16_linear_is_the_fp32_product_of_the_bf16_values_and_differentiable():
+    from training.engines.model import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(16, 8, bias=True).to(torch.bfloat16)
+    x = torch.randn(4, 5, 16).to(torch.bfloat16).requires_grad_(True)
+    out = lin(x)
+    want = (x.float() @ lin.weight.float().T + lin.bias.float()).to(torch.bfloat16)
+    assert torch.equal(out, want)
+    out.float().sum().backward()  # gradients reach the input and the weight
+    assert x.grad is not None and lin.weight.grad is not None
+    assert torch.equal(lin.weight.grad.float(),
+                       (torch.ones(20, 8).T @ x.detach().float()
+                        .reshape(-1, 16)).to(torch.bfloat16).float())
+
+
+def test_fp32_linear_is_plain_nn_linear(model):
+    from training.engines.model import Linear
+
+    torch.manual_seed(1)
+    lin = Linear(16, 8, bias=False)
+    x = torch.randn(3, 16)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    assert all(type(m) is Linear for m in model.modules() if isinstance(m, torch.nn.Linear))

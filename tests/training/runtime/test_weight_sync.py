@@ -122,3 +122,22 @@ def test_a_corrupt_run_state_is_one_line(tmp_path):
     assert str(err.value) == (f"{run_dir / 'checkpoint' / 'runtime.json'} is not a run state "
                               "(KeyError: 'step_start_versions'); resume from another run "
                               "directory or start afresh")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_embedded_servers_get_the_recipes_thread_count(monkeypatch, tmp_path, threads):
+    import training.engines.embedded.launch as launch
+
+    started = []
+    monkeypatch.setattr(launch, "start_all", lambda servers, timeout: started.extend(servers))
+    backend = EmbeddedBackend(_recipe(num_rollout_engines=2, rollout_threads=threads))
+    backend.start(None, tmp_path)
+    assert [s.config.threads for s in started] == [threads, threads]
+    assert all(s.proc is None for s in started)  # nothing was launched
+
+
+def test_thread_counts_count_in_the_hash_only_when_set():
+    base = _recipe()
+    assert _recipe(rollout_threads=1, train_threads=1).hash() == base.hash()
+    assert len({base.hash(), _recipe(rollout_threads=2).hash(),
+                _recipe(train_threads=2).hash()}) == 3
