@@ -21,11 +21,11 @@ and a few long ones, so a batch waits for its slowest responses) and prints, sid
 The warm start is cached under $ASYNCRL_HOME (the first run trains it, ~3 min). Times on a shared
 2-core machine vary by ±20%; compare the columns of one run, on an otherwise idle machine.
 
-Measured 2026-11-22 (2 cores, idle, defaults): sync loop 15.5 s (T_gen 10.5 s, T_train 4.75 s →
-overlap limit 1.45×), one_step 14.7 s (1.06×, efficiency 0.73), fully_async 13.8 s (1.12×, 0.77).
-What is left on the table: the rollouter actor, HTTP and the trainer still share the two cores
-(one_step's training phase takes 6.8 s instead of 4.3 s), and with staleness_threshold 0.5 the
-rollouter waits for a sync about a quarter of the time.
+Measured 2026-11-26 (2 cores, idle, defaults): sync loop 13.2 s (T_gen 6.3 s, T_train 6.6 s →
+overlap limit 1.96×), sync_2thr 12.7 s, one_step 11.2 s (1.18×, efficiency 0.60), fully_async
+10.7 s (1.23×, 0.63; 1.19× over sync_2thr). What is left on the table: the two cores are full
+(engine and trainer one core each; the rollouter actor, the driver and the sample buffer about
+0.4 core more), so generation slows while the trainer works.
 """
 
 from __future__ import annotations
