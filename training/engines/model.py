@@ -151,6 +151,13 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------------
 
 
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``; for bf16 on CPU computed in fp32 and rounded to bf16, as :class:`Linear`."""
+    if a.dtype == torch.bfloat16 and a.device.type == "cpu":
+        return (a.float() @ b.float()).to(torch.bfloat16)
+    return a @ b
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose bf16 product on CPU accumulates in fp32.
 
@@ -227,10 +234,10 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         # Plain matmul + softmax: on CPU it beats the fused kernel for one-token decode (FACTS.md).
-        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(cfg.head_dim))
+        scores = matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(cfg.head_dim))
         scores = scores + attn_bias.to(scores.dtype)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = (probs @ v).transpose(1, 2).reshape(b, s, cfg.num_heads * cfg.head_dim)
+        out = matmul(probs, v).transpose(1, 2).reshape(b, s, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out)
 
 

@@ -123,3 +123,17 @@ def test_fp32_linear_is_plain_nn_linear(model):
     x = torch.randn(3, 16)
     assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
     assert all(type(m) is Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_bf16_matmul_accumulates_in_fp32_like_linear():
+    from training.engines.model import matmul
+
+    a = torch.tensor([[1.0, 2.0**-8, 2.0**-8]], dtype=torch.bfloat16)
+    b = torch.ones(3, 1, dtype=torch.bfloat16)
+    assert matmul(a, b).dtype == torch.bfloat16 and matmul(a, b).item() == 1.0 + 2.0**-7
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8)  # batched, as in attention
+    assert torch.equal(matmul(q, k.transpose(-1, -2)), q @ k.transpose(-1, -2))  # fp32: plain
+    qb, kb = q.bfloat16(), k.bfloat16()
+    assert torch.equal(matmul(qb, kb.transpose(-1, -2)),
+                       (q.bfloat16().float() @ k.bfloat16().float().transpose(-1, -2))
+                       .bfloat16())
