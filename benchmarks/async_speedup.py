@@ -21,9 +21,9 @@ and a few long ones, so a batch waits for its slowest responses) and prints, sid
 The warm start is cached under $ASYNCRL_HOME (the first run trains it, ~3 min). Times on a shared
 2-core machine vary by ±20%; compare the columns of one run, on an otherwise idle machine.
 
-Measured 2026-11-26 (2 cores, idle, defaults): sync loop 13.2 s (T_gen 6.3 s, T_train 6.6 s →
-overlap limit 1.96×), sync_2thr 12.7 s, one_step 11.2 s (1.18×, efficiency 0.60), fully_async
-10.7 s (1.23×, 0.63; 1.19× over sync_2thr). What is left on the table: the two cores are full
+Measured 2026-11-26 (2 cores, idle, defaults): sync loop 13.0 s (T_gen 6.2 s, T_train 6.5 s →
+overlap limit 1.95×), sync_2thr 12.9 s, one_step 11.8 s (1.11×, efficiency 0.57), fully_async
+11.5 s (1.13×, 0.58; 1.13× over sync_2thr). What is left on the table: the two cores are full
 (engine and trainer one core each; the rollouter actor, the driver and the sample buffer about
 0.4 core more), so generation slows while the trainer works.
 """
