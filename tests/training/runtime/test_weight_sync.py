@@ -124,16 +124,28 @@ def test_a_corrupt_run_state_is_one_line(tmp_path):
                               "directory or start afresh")
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_embedded_servers_get_the_recipes_thread_count(monkeypatch, tmp_path, threads):
-    import training.engines.embedded.launch as launch
+def test_embedded_servers_run_with_the_recipes_thread_count(tmp_path, monkeypatch):
+    """Real servers from the backend: each reports the recipe's thread count in /server_info."""
+    import httpx
 
-    started = []
-    monkeypatch.setattr(launch, "start_all", lambda servers, timeout: started.extend(servers))
-    backend = EmbeddedBackend(_recipe(num_rollout_engines=2, rollout_threads=threads))
-    backend.start(None, tmp_path)
-    assert [s.config.threads for s in started] == [threads, threads]
-    assert all(s.proc is None for s in started)  # nothing was launched
+    from training.engines.hf_io import save_hf_dir
+    from training.engines.model import CausalLM, ModelConfig
+    from training.tasks.tokenizer import CharTokenizer
+
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))  # the servers' logs
+    cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=2, intermediate_size=48,
+                      max_position_embeddings=64)
+    ckpt = save_hf_dir(tmp_path / "ckpt", CausalLM(cfg).init_weights(0, std=0.1), CharTokenizer())
+    backend = EmbeddedBackend(_recipe(num_rollout_engines=2, rollout_threads=2))
+    try:
+        urls = backend.start(None, ckpt)
+        servers = list(backend.servers)
+        infos = [httpx.get(u + "/server_info", timeout=10).json() for u in urls]
+        assert [i["threads"] for i in infos] == [2, 2]
+    finally:
+        backend.stop(None)
+    assert len(servers) == 2 and all(s.proc.poll() is not None for s in servers)  # stopped
 
 
 def test_thread_counts_count_in_the_hash_only_when_set():
