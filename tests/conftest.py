@@ -37,15 +37,26 @@ settings.register_profile("explore", derandomize=False, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+_OWN_HOME: list[str | None] = [None]  # the temporary state directory this session made
+
+
 def pytest_configure(config):
     """Keep test state out of the working tree: unless the caller set ASYNCRL_HOME, every test
     that does not choose its own state directory shares one temporary directory."""
     if "ASYNCRL_HOME" not in os.environ:
-        os.environ["ASYNCRL_HOME"] = tempfile.mkdtemp(prefix="asyncrl-test-home-")
+        os.environ["ASYNCRL_HOME"] = _OWN_HOME[0] = tempfile.mkdtemp(prefix="asyncrl-test-home-")
     # as every entry point does: configure Prefect/MLflow/Ray before any test imports them
     from flows.environment import configure
 
     configure()
+
+
+def pytest_unconfigure(config):
+    """Remove the temporary state directory pytest_configure made, so test sessions leave no
+    asyncrl-test-home-* behind (a server still ending with this process keeps its open files
+    until it exits)."""
+    if _OWN_HOME[0]:
+        shutil.rmtree(_OWN_HOME[0], ignore_errors=True)
 
 
 # --- PostgreSQL ---------------------------------------------------------------------------------

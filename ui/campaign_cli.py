@@ -118,15 +118,56 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
     try:
         cflow.record_campaign(db, campaign, base, path, campaign_id)
         with CampaignLease(db, campaign_id):
-            _follow_flow(cflow, path, campaign_id, as_json, up_api)
+            _follow_flow(cflow, path, campaign_id, as_json, up_api,
+                         _first_stage_recipes(campaign, base, db, campaign_id))
     except RegistryError as e:  # CampaignOwnedError: another live process runs it
         fail(str(e))
     finally:
         db.close()
 
 
+def _first_stage_recipes(campaign: Any, base: dict[str, Any], db: Any,
+                         campaign_id: str) -> list[Any]:
+    """The recipes the campaign's first stage trains when this run will train it (no earlier
+    run of the campaign promoted it): their starting checkpoints, warm starts included, can be
+    built while the services start."""
+    from registry.campaign import stage_recipes
+
+    first = campaign.stages[0]
+    if db.promoted(campaign_id, first.name) is not None:
+        return []
+    return [recipe for _, recipe in stage_recipes(campaign, first, base, {}).candidates]
+
+
+def _start(recipes: list[Any], report: Any) -> None:
+    """Build the starting checkpoints of ``recipes`` (:func:`initial_checkpoint`: the cached
+    warm start, trained the first time — minutes on a laptop — with ``report(text)`` showing
+    its progress and ``report(None)`` when done), then start the services
+    (:func:`flows.startup.start_services`). The first stage's runs find the checkpoints cached.
+
+    One after the other, not side by side: measured on the 2-core machine (README command 1 in
+    a new state directory), building the warm start while the services started made the first
+    run slower, 373 s vs 330 s — the services' start-up is CPU work of their own (Prefect's
+    migrations, Ray's processes), and the warm start's two torch threads lose more than that
+    when they share the cores. Built first, a bad checkpoint or backend fails before anything
+    starts."""
+    from flows.startup import start_services
+    from training.runtime.run import initial_checkpoint
+
+    def on_warm(ev: Any) -> None:
+        if ev.total:
+            report(f"warm start ({ev.phase} {ev.step}/{ev.total})")
+
+    try:
+        for recipe in recipes:
+            initial_checkpoint(recipe, progress=on_warm)
+    finally:
+        report(None)
+    start_services()  # Prefect's temporary API, MLflow's store and Ray, side by side
+
+
 def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
-                 up_api: str | None = None) -> None:
+                 up_api: str | None = None, first: list[Any] | None = None) -> None:
     from rich.console import Console
     from rich.live import Live
 
@@ -158,9 +199,14 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
             if up_api:
                 console.print(f"flow run on the Prefect server of `asyncrl up` ({up_api}); "
                               "keep it up until the campaign ends")
-            from flows.startup import start_services
+            def report(text: str | None) -> None:
+                if text is None:
+                    state.pop(("(start)", ""), None)
+                else:
+                    state[("(start)", "")] = {"status": text}
+                live.update(_live_table(state))
 
-            start_services()  # Prefect's temporary API, MLflow's store and Ray, side by side
+            _start(first or [], report)
             # a stopped campaign ends its flow run Failed (flows.campaign.flow_result): read
             # the outcome from the state; an exception the flow raised is raised again here
             flow_state = cflow.campaign_flow(str(path), campaign_id, return_state=True)
