@@ -142,7 +142,7 @@ def _first_stage_recipes(campaign: Any, base: dict[str, Any], db: Any,
 def _start(recipes: list[Any], report: Any) -> None:
     """Build the starting checkpoints of ``recipes`` (:func:`initial_checkpoint`: the cached
     warm start, trained the first time — minutes on a laptop — with ``report(text)`` showing
-    its progress and ``report(None)`` when done), then start the services
+    its progress, e.g. ``"train 120/700"``, and ``report(None)`` when done), then start the services
     (:func:`flows.startup.start_services`). The first stage's runs find the checkpoints cached.
 
     One after the other, not side by side: measured on the 2-core machine (README command 1 in
@@ -156,7 +156,7 @@ def _start(recipes: list[Any], report: Any) -> None:
 
     def on_warm(ev: Any) -> None:
         if ev.total:
-            report(f"warm start ({ev.phase} {ev.step}/{ev.total})")
+            report(f"{ev.phase} {ev.step}/{ev.total}")
 
     try:
         for recipe in recipes:
@@ -201,9 +201,9 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
                               "keep it up until the campaign ends")
             def report(text: str | None) -> None:
                 if text is None:
-                    state.pop(("(start)", ""), None)
+                    state.pop(("(warm start)", ""), None)
                 else:
-                    state[("(start)", "")] = {"status": text}
+                    state[("(warm start)", "")] = {"status": text}
                 live.update(_live_table(state))
 
             _start(first or [], report)

@@ -64,7 +64,7 @@ def test_start_reports_progress_and_fails_on_a_bad_checkpoint_before_the_service
     seen: list[str | None] = []
     recipe = Recipe.model_validate({**TINY, "model": {**TINY["model"], "warmstart_steps": 5}})
     _start([recipe], seen.append)
-    assert seen == [f"warm start (train {i}/5)" for i in range(1, 6)] + [None]
+    assert seen == [f"train {i}/5" for i in range(1, 6)] + [None]
     assert (home / "mlflow" / "mlflow.db").is_file()  # then the services started
     # cached now: the run's own call reports nothing and trains nothing
     again: list = []
