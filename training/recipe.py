@@ -131,7 +131,7 @@ _KNOWN_NAMES: dict[str, frozenset[str]] = {
     "advantage": frozenset({"dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo",
                             "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
                             "rloo"}),
-    "kl": frozenset({"abs", "k1", "k1+", "k2", "k3", "k3+"}),
+    "kl": frozenset({"abs", "abs+", "k1", "k1+", "k2", "k3", "k3+"}),
     "preset": frozenset({
         "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
         "bypass_pg_is", "bypass_pg_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs",
@@ -774,7 +774,7 @@ class KLSpec(_Strict):
 
     mode: Literal["none", "in_reward"] = Field("none", description=(
         "'in_reward': token reward −= coef·KL(π_old ‖ π_ref); 'none': off."))
-    estimator: str = Field("k1", description="KL estimator: k1, abs, k2, k3, k1+, k3+.")
+    estimator: str = Field("k1", description="KL estimator: k1, abs, k2, k3, k1+, abs+, k3+.")
     coef: YamlFloat = Field(0.001, ge=0.0, le=10.0, description="Initial KL coefficient β.")
     target: YamlOptFloat = Field(None, gt=0.0, description=(
         "Adaptive controller target KL (None = fixed coefficient)."))

@@ -13,6 +13,7 @@ abs     |log_ratio|                                sign(log_ratio)
 k2      ½ · log_ratio²                             log_ratio
 k3      exp(−log_ratio) − 1 + log_ratio  (≤ 10)    1 − exp(−log_ratio)   (0 where clamped)
 k1+     value of k1                                log_ratio   (gradient of k2)
+abs+    value of abs                               log_ratio   (gradient of k2)
 k3+     value of k3                                log_ratio   (gradient of k2)
 ======  =========================================  ========================================
 
@@ -20,12 +21,15 @@ k3+     value of k3                                log_ratio   (gradient of k2)
 * k3 is additionally clamped to [−10, 10] as verl does (k3 ≥ 0, so in effect ≤ 10); beyond the
   clamp its gradient is 0.
 * The "+" variants are straight-through estimators: ``k2 − k2.detach() + forward.detach()``,
-  forward value of k1 / k3, gradient of k2 — an unbiased gradient of KL(π_θ ‖ π_ref) for on-policy
-  samples. (Seed 001: at verl@70744059 k1+/k3+ raise NotImplementedError because the "+" is never
-  stripped before dispatch; verl 0.9.1 strips it, and its kl+/low_var_kl+ match ours in value and
+  forward value of k1 / abs / k3, gradient of k2 — an unbiased gradient of KL(π_θ ‖ π_ref) for
+  on-policy samples. k2 "+" is k2 itself (its value and its gradient are k2's), so verl's
+  spellings ``k2+`` and ``mse+`` are aliases of ``k2``. (Seed 001: at verl@70744059 k1+/k3+
+  raise NotImplementedError because the "+" is never stripped before dispatch; verl 0.9.1 strips
+  it, and its kl+/low_var_kl+ match ours in value and
   gradient — see tests/training/algorithms/test_core_algos_verl_golden.py.)
 * verl's names are accepted as aliases by :func:`resolve_kl_estimator`: ``kl`` → k1,
-  ``mse`` → k2, ``low_var_kl`` → k3, and ``kl+`` → k1+, ``low_var_kl+`` → k3+.
+  ``mse`` → k2, ``low_var_kl`` → k3, ``kl+`` → k1+, ``low_var_kl+`` → k3+, and ``k2+`` /
+  ``mse+`` → k2.
 
 Which to use (seed 001): k2 (or k1+/k3+) for KL in the loss on-policy; k3 for KL in an IS-weighted
 loss; k1 for KL in the reward with stop-gradient.
@@ -64,6 +68,8 @@ KL_ALIASES: dict[str, str] = {
     "low_var_kl": "k3",
     "kl+": "k1+",
     "low_var_kl+": "k3+",
+    "k2+": "k2",  # straight-through onto itself: value and gradient of k2
+    "mse+": "k2",
 }
 """verl's estimator names → ours."""
 
@@ -108,6 +114,12 @@ def kl_k1_plus(log_ratio: torch.Tensor) -> torch.Tensor:
     return straight_through(kl_k1(log_ratio), kl_k2(log_ratio))
 
 
+@KL_ESTIMATORS.register("abs+")
+def kl_abs_plus(log_ratio: torch.Tensor) -> torch.Tensor:
+    """abs+: forward value |log_ratio|, gradient of k2 (straight-through). Shape (B, T)."""
+    return straight_through(kl_abs(log_ratio), kl_k2(log_ratio))
+
+
 @KL_ESTIMATORS.register("k3+")
 def kl_k3_plus(log_ratio: torch.Tensor) -> torch.Tensor:
     """k3+: forward value of k3 (clamped), gradient of k2 (straight-through). Shape (B, T)."""
@@ -144,7 +156,8 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask
         ref_log_prob (B, T): log-probs under the reference policy (usually detached; gradients
             flow into it too if it requires grad).
         response_mask (B, T): response mask; garbage at masked positions is ignored.
-        kind: estimator name or verl alias (k1, abs, k2, k3, k1+, k3+, kl, mse, low_var_kl, ...).
+        kind: estimator name or verl alias (k1, abs, k2, k3, k1+, abs+, k3+, kl, mse,
+            low_var_kl, k2+, ...).
     Returns:
         (B, T) estimate, exactly 0 (and zero gradient) at masked positions; the log-ratio is
         clamped to ±LOG_RATIO_BOUND before the estimator is applied.

@@ -22,7 +22,7 @@ from training.algorithms.kl import (
     resolve_kl_estimator,
 )
 
-ALL_NAMES = ["abs", "k1", "k1+", "k2", "k3", "k3+"]
+ALL_NAMES = ["abs", "abs+", "k1", "k1+", "k2", "k3", "k3+"]
 GARBAGE = [math.nan, math.inf, -math.inf, 1e30, -1e30, 123.0]
 
 
@@ -43,6 +43,7 @@ EXPECTED_VALUE = {
     "k2": [0.5 * 0.5**2, 0.0, 0.5 * (-1.0) ** 2, 0.0],
     "k3": [k3_value(0.5), 0.0, k3_value(-1.0), 0.0],  # [0.10653, 0, e − 2 = 0.71828]
     "k1+": [0.5, 0.0, -1.0, 0.0],
+    "abs+": [0.5, 0.0, 1.0, 0.0],
     "k3+": [k3_value(0.5), 0.0, k3_value(-1.0), 0.0],
 }
 # d value / d log_prob
@@ -52,11 +53,12 @@ EXPECTED_GRAD = {
     "k2": [0.5, 0.0, -1.0, 0.0],  # log_ratio
     "k3": [1 - math.exp(-0.5), 0.0, 1 - math.exp(1.0), 0.0],  # 1 − exp(−log_ratio)
     "k1+": [0.5, 0.0, -1.0, 0.0],  # gradient of k2
+    "abs+": [0.5, 0.0, -1.0, 0.0],  # gradient of k2 (abs's own is sign: 1, 0, −1)
     "k3+": [0.5, 0.0, -1.0, 0.0],  # gradient of k2
 }
 
 
-def test_registry_names_are_exactly_the_six_estimators() -> None:
+def test_registry_names_are_exactly_the_seven_estimators() -> None:
     assert KL_ESTIMATORS.names() == ALL_NAMES
     assert set(EXPECTED_VALUE) == set(ALL_NAMES)
 
@@ -75,14 +77,14 @@ def test_hand_computed_values_and_gradients(kind: str, dtype: torch.dtype) -> No
     assert_close(ref.grad, -torch.tensor([EXPECTED_GRAD[kind]], dtype=dtype))
 
 
-@pytest.mark.parametrize("kind", ["k1+", "k3+"])
+@pytest.mark.parametrize("kind", ["k1+", "abs+", "k3+"])
 def test_straight_through_forward_is_exact_and_gradient_is_log_ratio(kind: str) -> None:
     base = kind[:-1]
     lp = torch.tensor(LOG_PROB, dtype=torch.float64, requires_grad=True)
     ref = torch.tensor(REF_LOG_PROB, dtype=torch.float64)
     plus = kl_penalty(lp, ref, torch.tensor(MASK), kind)
     plain = kl_penalty(lp.detach(), ref, torch.tensor(MASK), base)
-    assert torch.equal(plus.detach(), plain)  # forward value bit-identical to k1 / k3
+    assert torch.equal(plus.detach(), plain)  # forward value bit-identical to k1 / abs / k3
     (grad,) = torch.autograd.grad(plus.sum(), lp)
     assert_close(grad, torch.tensor([[*LOG_RATIO, 0.0]], dtype=torch.float64))
 
@@ -122,6 +124,8 @@ def test_expected_alias_table() -> None:
     assert KL_ALIASES["kl"] == "k1"
     assert KL_ALIASES["mse"] == "k2"
     assert KL_ALIASES["low_var_kl"] == "k3"
+    # verl's k2+ / mse+: the straight-through of k2 onto itself is k2
+    assert KL_ALIASES["k2+"] == KL_ALIASES["mse+"] == "k2"
     for name in ALL_NAMES:
         assert resolve_kl_estimator(name) == name
 
@@ -209,7 +213,7 @@ def test_masked_garbage_never_changes_values_or_gradients(batch, garbage, dtype)
 def test_nonnegative_estimators(batch, dtype) -> None:
     lp, ref, mask = batch
     m = torch.tensor(mask)
-    for kind in ["abs", "k2", "k3", "k3+"]:
+    for kind in ["abs", "abs+", "k2", "k3", "k3+"]:
         kl = kl_penalty(torch.tensor(lp, dtype=dtype), torch.tensor(ref, dtype=dtype), m, kind)
         assert kl.dtype == dtype
         assert (kl >= 0).all(), kind
@@ -235,7 +239,7 @@ def test_plus_variants_forward_and_gradient(batch, dtype) -> None:
     lp, ref, mask = batch
     m = torch.tensor(mask)
     ref_t = torch.tensor(ref, dtype=dtype)
-    for plus, base in (("k1+", "k1"), ("k3+", "k3")):
+    for plus, base in (("k1+", "k1"), ("abs+", "abs"), ("k3+", "k3")):
         x = torch.tensor(lp, dtype=dtype, requires_grad=True)
         kl = kl_penalty(x, ref_t, m, plus)
         assert torch.equal(kl.detach(), kl_penalty(x.detach(), ref_t, m, base))
