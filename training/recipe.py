@@ -125,9 +125,9 @@ def _no_control_chars(value: str, what: str) -> str:
 # (the registries live in torch modules). A name not here is looked up in the registry itself,
 # which decides; tests/training/test_recipe.py keeps this table equal to the registries.
 _KNOWN_NAMES: dict[str, frozenset[str]] = {
-    "loss": frozenset({"bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "geo_mean",
-                       "gmpo", "gpg", "gspo", "gspo_token", "kl_cov", "reinforce", "sapo",
-                       "vanilla"}),
+    "loss": frozenset({"bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro",
+                       "geo_mean", "gmpo", "gpg", "gspo", "gspo_token", "kl_cov", "reinforce",
+                       "sapo", "vanilla"}),
     "advantage": frozenset({"dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo",
                             "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
                             "rloo"}),
@@ -139,7 +139,7 @@ _KNOWN_NAMES: dict[str, frozenset[str]] = {
         "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis",
         "decoupled_k3_rs_token_tis", "decoupled_seq_is", "decoupled_seq_is_rs",
         "decoupled_token_icepop", "decoupled_token_is", "disabled"}),
-    "agg": frozenset({"token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+    "agg": frozenset({"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"}),
     "task": frozenset({"jsonl", "sum_digits"}),
 }
@@ -601,8 +601,9 @@ class LossSpec(_Strict):
 
     name: str = Field("vanilla", description="Registered policy loss (vanilla = PPO clip, gspo, "
                       "cispo, sapo, ...).")
-    agg: str = Field("token-mean", description="Loss aggregation: token-mean, seq-mean-token-sum, "
-                     "seq-mean-token-mean, seq-mean-token-sum-norm (Dr.GRPO).")
+    agg: str = Field("token-mean", description="Loss aggregation: token-mean, token-sum (no "
+                     "normaliser), seq-mean-token-sum, seq-mean-token-mean, "
+                     "seq-mean-token-sum-norm (Dr.GRPO).")
     clip_ratio: YamlFloat = Field(0.2, gt=0.0, le=10.0, description="PPO ε.")
     clip_ratio_low: YamlOptFloat = Field(None, gt=0.0, le=10.0, description="ε_low (None = ε).")
     clip_ratio_high: YamlOptFloat = Field(None, gt=0.0, le=10.0, description=(
@@ -613,6 +614,9 @@ class LossSpec(_Strict):
         "Dr.GRPO's constant K of seq-mean-token-sum-norm (the loss is the per-sequence token "
         "sum / K). None = rollout.max_response_tokens; never the padded batch width, which "
         "changes from batch to batch."))
+    dro_beta: YamlOptFloat = Field(None, gt=0.0, le=1e6, description=(
+        "β of the dro loss's quadratic penalty ½β(log π_θ − log π_old)²; required by name: dro "
+        "(no default, as in verl), unused by the other losses."))
 
     @field_validator("name")
     @classmethod
@@ -623,6 +627,13 @@ class LossSpec(_Strict):
     @classmethod
     def _agg(cls, v: str) -> str:
         return _check_name(v, "agg", "loss aggregation")
+
+    @model_validator(mode="after")
+    def _dro_beta(self) -> LossSpec:
+        if self.name == "dro" and self.dro_beta is None:
+            raise ValueError("loss dro needs dro_beta > 0 (β of its quadratic log-ratio "
+                             "penalty); add dro_beta to algorithm.loss")
+        return self
 
 
 class SourceSpec(_Strict):
@@ -1024,6 +1035,7 @@ _ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
     ("async", None, "interrupt", "auto"),
     ("algorithm", "correction", "args", {}),
     ("algorithm", "loss", "loss_scale_factor", None),
+    ("algorithm", "loss", "dro_beta", None),
     ("model", None, "origin", None),
     ("model", None, "moe_experts", None),
     ("engines", None, "rollout_threads", 1),

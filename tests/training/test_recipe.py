@@ -581,6 +581,23 @@ def test_loss_scale_factor_is_positive_or_none():
         {"algorithm": {"loss": {"loss_scale_factor": 0}}})
 
 
+def test_dro_needs_its_beta_and_the_learner_passes_it_on():
+    from training.runtime.learner import policy_loss_config
+
+    msg = _error({"algorithm": {"loss": {"name": "dro"}}})
+    assert msg.startswith("recipe: algorithm.loss: ") and "dro_beta" in msg
+    assert "\n" not in msg
+    assert "algorithm.loss.dro_beta" in _error(
+        {"algorithm": {"loss": {"name": "dro", "dro_beta": 0}}})
+    r = recipe_from_dict({"algorithm": {"loss": {"name": "dro", "dro_beta": 0.2},
+                                        "advantage": {"estimator": "grpo"}}})
+    assert policy_loss_config(r).dro_beta == 0.2
+    # the field at its default leaves every recorded hash as it was
+    assert recipe_from_dict({"algorithm": {"loss": {"dro_beta": None}}}).hash() == Recipe().hash()
+    assert r.hash() != recipe_from_dict({"algorithm": {"loss": {
+        "name": "dro", "dro_beta": 0.3}, "advantage": {"estimator": "grpo"}}}).hash()
+
+
 def test_issue_14_fields_at_their_defaults_keep_the_hash():
     """Hashes recorded before preset args and loss_scale_factor existed (asyncrl a50f1d2)."""
     preset = {"algorithm": {"correction": {"kind": "preset", "name": "decoupled_geo_rs"}}}

@@ -71,6 +71,7 @@ __all__ = [
     "compute_policy_loss_clip_cov",
     "compute_policy_loss_dppo_kl",
     "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
     "compute_policy_loss_gmpo",
     "compute_policy_loss_gspo",
     "compute_policy_loss_gspo_token",
@@ -86,6 +87,7 @@ __all__ = [
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -118,6 +120,10 @@ def agg_loss(
         loss_agg_mode: one of :data:`LOSS_AGG_MODES`:
 
             * ``token-mean``: Σ_{b,t} m·ℓ / Σ_{b,t} m  (every valid token weighs the same; DAPO).
+            * ``token-sum``: Σ_{b,t} m·ℓ — no normaliser (seed 001; verl's ``token-sum``, whose
+              × dp_size only undoes its ranks' gradient averaging: one process here). The
+              gradient grows with the batch's token count, so the learning rate carries the
+              scale.
             * ``seq-mean-token-sum``: (1/S) Σ_b Σ_t m·ℓ.
             * ``seq-mean-token-mean``: (1/S) Σ_b (Σ_t m·ℓ / Σ_t m)  (GRPO's original objective).
             * ``seq-mean-token-sum-norm``: seq-mean-token-sum / K — Dr.GRPO (arXiv:2503.20783)
@@ -154,6 +160,8 @@ def agg_loss(
     values = sanitize(loss_mat, mask)
     if loss_agg_mode == "token-mean":
         return masked_mean(values, mask)
+    if loss_agg_mode == "token-sum":
+        return masked_sum(values, mask)
 
     # number of non-empty sequences S (clamped to 1 so that an all-masked batch gives 0, not NaN)
     num_seqs = sequence_mask(mask).sum().to(values.dtype).clamp(min=1)
@@ -301,6 +309,10 @@ class PolicyLossConfig:
     """``training.algorithms.rollout_correction.RolloutCorrectionConfig`` for the ``bypass_mode``
     loss (IS / RS settings between π_θ and the rollout policy). Required by bypass_mode only."""
 
+    dro_beta: float | None = None
+    """DRO: β of the quadratic log-ratio penalty ½β(log π_θ − log π_old)². No default, as in
+    verl (``policy_loss.dro_beta``): the ``dro`` loss refuses to run without a value > 0."""
+
     bypass_loss_type: str | None = None
     """Loss used by ``bypass_mode``: ``ppo_clip`` or ``reinforce``. None (recommended) → the
     rollout-correction config's ``loss_type`` (verl reads it there; default ``ppo_clip``). When both
@@ -358,6 +370,8 @@ class PolicyLossConfig:
             _check_pos(name, getattr(self, name))
         if self.loss_scale_factor is not None:
             _check_pos("loss_scale_factor", self.loss_scale_factor)
+        if self.dro_beta is not None:
+            _check_pos("dro_beta", self.dro_beta)
         if self.bypass_loss_type is not None and self.bypass_loss_type not in BYPASS_LOSS_TYPES:
             raise ValueError(
                 f"bypass_loss_type={self.bypass_loss_type!r}; use one of "
@@ -826,6 +840,49 @@ def compute_policy_loss_cispo(
     clipfrac = _frac(clipped_ratio != ratio, x.mask)
     metrics = _base_metrics(pg_loss, log_ratio, x.mask, clipfrac=clipfrac)
     metrics["policy/cispo/clipfrac"] = clipfrac
+    return pg_loss, metrics
+
+
+@POLICY_LOSSES.register("dro")
+def compute_policy_loss_dro(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: PolicyLossConfig,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DRO, a policy gradient with a quadratic log-ratio penalty (verl 0.9.1's ``dro`` loss).
+
+    ``ℓ_t = −w_t · (A_t · log π_θ(y_t) − ½ β (log π_θ(y_t) − log π_old(y_t))²)`` with β =
+    ``dro_beta``: no ratio and no clipping; the penalty pulls π_θ back towards π_old with a
+    force that grows with the distance, ``∂ℓ_t/∂log π_θ = w_t (−A_t + β (log π_θ − log π_old))``.
+    The penalty's log-ratio is not clamped (it is never exponentiated; a clamp would remove the
+    restoring force exactly where it is largest); the ratio metrics use the clamped one.
+    ``policy/dro/penalty`` is the mean over valid tokens of ½β (log π_θ − log π_old)².
+
+    Args:
+        old_log_prob: (B, T) log π_old (detached): the anchor of the penalty.
+        log_prob: (B, T) log π_θ.
+        advantages: (B, T) advantages.
+        response_mask: (B, T) tokens that count.
+        config: uses dro_beta (required, > 0), loss_agg_mode, loss_scale_factor.
+        rollout_is_weights: (B, T) detached IS weights (multiply the whole ℓ_t).
+
+    Raises:
+        ValueError: ``config.dro_beta`` is None.
+    """
+    if config.dro_beta is None:
+        raise ValueError("the dro policy loss needs dro_beta > 0 (β of its quadratic "
+                         "log-ratio penalty); set it in PolicyLossConfig / algorithm.loss")
+    x = _prepare(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    delta = x.log_prob - x.old_log_prob
+    penalty = 0.5 * config.dro_beta * delta.square()
+    token_loss = _apply_is_weights(-(x.advantages * x.log_prob - penalty), x.is_weights)
+    pg_loss = agg_loss(token_loss, x.mask, config.loss_agg_mode, config.loss_scale_factor)
+    metrics = _base_metrics(pg_loss, clamped_log_ratio(x.log_prob, x.old_log_prob, x.mask),
+                            x.mask)
+    metrics["policy/dro/penalty"] = float(masked_mean(penalty.detach(), x.mask).item())
     return pg_loss, metrics
 
 

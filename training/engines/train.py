@@ -468,9 +468,10 @@ def micro_batch_weights(response_mask: torch.Tensor, slices: Sequence[slice],
                         loss_agg_mode: str) -> list[float]:
     """w_m such that Σ_m w_m · agg(ℓ[rows_m]) = agg(ℓ) over the whole batch.
 
-    ``token-mean``: w_m = N_m / N (valid tokens); the ``seq-mean-*`` modes: w_m = S_m / S
-    (sequences with ≥ 1 valid token). ``seq-mean-token-sum-norm`` divides by the same constant in
-    every micro-batch because T is kept. A batch with nothing valid gives zeros.
+    ``token-mean``: w_m = N_m / N (valid tokens); ``token-sum``: w_m = 1 (a sum of the
+    micro-batches' sums); the ``seq-mean-*`` modes: w_m = S_m / S (sequences with ≥ 1 valid
+    token). ``seq-mean-token-sum-norm`` divides by the same constant in every micro-batch because
+    T is kept. A batch with nothing valid gives zeros.
 
     Args:
         response_mask: (B, T) mask of the whole batch.
@@ -478,6 +479,8 @@ def micro_batch_weights(response_mask: torch.Tensor, slices: Sequence[slice],
         loss_agg_mode: the loss's aggregation mode.
     """
     mask = response_mask.bool()
+    if loss_agg_mode == "token-sum":
+        return [1.0 if mask.any() else 0.0 for _ in slices]
     if loss_agg_mode == "token-mean":
         counts = [int(mask[s].sum()) for s in slices]
     else:

@@ -236,7 +236,7 @@ def policy_loss_config(recipe: Recipe,
                             clip_ratio_low=loss.clip_ratio_low,
                             clip_ratio_high=loss.clip_ratio_high,
                             clip_ratio_c=loss.clip_ratio_c, loss_scale_factor=scale,
-                            rollout_correction=rollout_correction)
+                            dro_beta=loss.dro_beta, rollout_correction=rollout_correction)
 
 
 def _correction_preset(recipe: Recipe) -> RolloutCorrectionConfig | None:

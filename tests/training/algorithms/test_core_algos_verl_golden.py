@@ -103,6 +103,7 @@ OUR_LOSSES: dict[str, tuple[str, ...]] = {
     "dppo_tv": ("dppo_tv",),
     "dppo_kl": ("dppo_kl",),
     "bypass_mode": ("bypass_mode",),
+    "dro": ("dro",),
 }
 
 
@@ -218,8 +219,12 @@ def test_fixture_covers_every_policy_loss() -> None:
         "kl_cov",
         "dppo_tv",
         "dppo_kl",
+        "dro",
     ):
         assert any(c["is_weights"] == "token" for c in by_mode[mode]), mode
+    # DRO: more than one β, every aggregation
+    assert len({c["verl_config"]["dro_beta"] for c in by_mode["dro"]}) >= 3
+    assert {c["loss_agg_mode"] for c in by_mode["dro"]} == set(LOSS_AGG_MODES)
     assert {(c["adv"], c["is_weights"]) for c in by_mode["gspo"]} >= {
         ("token", None),
         ("seq", None),
@@ -246,6 +251,7 @@ def test_fixture_covers_every_policy_loss() -> None:
         "kl_cov",
         "dppo_tv",
         "dppo_kl",
+        "dro",
     }
     # GSPO's clamp of log s_i at 10 binds for some rows of "shifted" and not for others
     shifted = BATCHES["policy"]["shifted"]
@@ -448,6 +454,8 @@ def _policy_config(case: dict[str, Any]) -> PolicyLossConfig:
         kw.update(
             kl_cov_ratio=vc["kl_cov_ratio"], ppo_kl_coef=vc["ppo_kl_coef"], kl_cov_estimator="abs"
         )
+    if mode == "dro":
+        kw["dro_beta"] = vc["dro_beta"]
     if mode in ("dppo_tv", "dppo_kl"):
         # verl reads δ from clip_ratio_low/high and the truncated-IS cap from clip_ratio_c
         kind = mode.removeprefix("dppo_")

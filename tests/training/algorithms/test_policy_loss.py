@@ -39,7 +39,10 @@ EXPECTED_NAMES = {
     "dppo_tv",
     "dppo_kl",
     "bypass_mode",
+    "dro",
 }
+# the settings every loss runs with here (dro has no default β)
+RUNNABLE = PolicyLossConfig(dro_beta=0.5)
 # every loss that runs without a rollout-correction config
 PLAIN_LOSSES = sorted(EXPECTED_NAMES - {"bypass_mode"})
 
@@ -94,6 +97,8 @@ AGG_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # row 2 has no valid
     ("mode", "scale", "expected"),
     [
         ("token-mean", None, (1 + 2 + 3 + 4) / 4),
+        ("token-sum", None, 1 + 2 + 3 + 4),  # no normaliser
+        ("token-sum", 10.0, 1 + 2 + 3 + 4),  # K belongs to seq-mean-token-sum-norm only
         ("seq-mean-token-sum", None, ((1 + 2 + 3) + 4) / 2),
         ("seq-mean-token-mean", None, ((1 + 2 + 3) / 3 + 4 / 1) / 2),
         # Dr.GRPO: seq-mean-token-sum / K with K = T = 3 by default (verl agg_loss)
@@ -155,7 +160,7 @@ def test_config_defaults_follow_papers_and_verl() -> None:
     "kwargs",
     [
         {"loss_agg_mode": "mean"},
-        {"sequence_objective_agg_mode": "token-sum"},
+        {"sequence_objective_agg_mode": "token-summ"},
         {"clip_ratio": -0.1},
         {"clip_ratio_high": math.nan},
         {"clip_ratio_c": 1.0},
@@ -199,7 +204,7 @@ def test_registry_names_and_aliases() -> None:
 def test_every_registered_loss_runs_and_reports_base_metrics(name: str) -> None:
     old, lp = from_ratios([[1.1, 0.9, 1.0], [1.0, 1.05, 1.0]])
     adv = t([[1.0, -1.0, 0.5], [2.0, 2.0, NAN]])
-    config = PolicyLossConfig()
+    config = RUNNABLE
     if name == "bypass_mode":
         pytest.importorskip("training.algorithms.rollout_correction")
         from training.algorithms.rollout_correction import RolloutCorrectionConfig
@@ -275,6 +280,7 @@ def test_vanilla_uses_config_aggregation(mode: str) -> None:
     # ratio 1 → ℓ = −A
     expected = {
         "token-mean": -(1 + 2 + 3 + 4 + 5) / 5,
+        "token-sum": -(1 + 2 + 3 + 4 + 5),
         "seq-mean-token-sum": -((1 + 2 + 3) + (4 + 5)) / 2,
         "seq-mean-token-mean": -((1 + 2 + 3) / 3 + (4 + 5) / 2) / 2,
         "seq-mean-token-sum-norm": -((1 + 2 + 3) + (4 + 5)) / 2 / 3,
@@ -458,6 +464,54 @@ def test_cispo_lower_bound_when_enabled() -> None:
     assert m["policy/cispo/clipfrac"] == pytest.approx(4 / 5)
     close(grad[0, 1], -0.6 * 1.0 / 5)
     close(grad[1, 0], -0.6 * -2.0 / 5)
+
+
+# --------------------------------------------------------------------------------------------
+# DRO
+# --------------------------------------------------------------------------------------------
+
+
+def test_dro_hand_values_gradient_and_penalty() -> None:
+    ratios = [[1.5, 0.5, 1.1], [0.05, 1.3, 1.0]]
+    old, lp = from_ratios(ratios)
+    adv = t([[1.0, 1.0, -1.0], [-2.0, 0.5, NAN]])
+    beta = 0.5
+    loss, m, grad = run("dro", old, lp, adv, config=PolicyLossConfig(dro_beta=beta))
+    valid = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    a = {(0, 0): 1.0, (0, 1): 1.0, (0, 2): -1.0, (1, 0): -2.0, (1, 1): 0.5}
+    d = {(i, j): math.log(ratios[i][j]) for i, j in valid}  # log π_θ − log π_old
+    # ℓ = −(A · log π − ½β(log π − log π_old)²), token-mean over the 5 valid tokens
+    token = [-(a[k] * LP[k[0]][k[1]] - 0.5 * beta * d[k] ** 2) for k in valid]
+    close(loss, sum(token) / 5)
+    # ∂ℓ/∂log π = −A + β(log π − log π_old): the penalty pulls back towards π_old
+    expected = torch.zeros(2, 3, dtype=F64)
+    for k in valid:
+        expected[k] = (-a[k] + beta * d[k]) / 5
+    close(grad, expected)
+    assert m["policy/dro/penalty"] == pytest.approx(sum(0.5 * beta * d[k] ** 2
+                                                        for k in valid) / 5)
+    assert m["policy/pg_clipfrac"] == 0.0  # nothing is clipped
+    assert m["policy/ppo_kl"] == pytest.approx(-sum(d.values()) / 5)
+
+
+def test_dro_penalty_is_not_clamped_and_weights_multiply_the_whole_term() -> None:
+    # log-ratio 30 (beyond the ±20 exp clamp): the restoring gradient is β·30, not 0
+    old = t([[-31.0]])
+    lp = t([[-1.0]]).requires_grad_(True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, _ = compute_policy_loss("dro", old, lp, t([[0.0]]), mask,
+                                  PolicyLossConfig(dro_beta=0.1), t([[2.0]]))
+    loss.backward()
+    close(loss, 2.0 * 0.5 * 0.1 * 30.0**2)
+    close(lp.grad, t([[2.0 * 0.1 * 30.0]]))
+
+
+def test_dro_needs_beta() -> None:
+    old, lp = from_ratios([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    with pytest.raises(ValueError, match="dro_beta"):
+        run("dro", old, lp, t([[1.0] * 3] * 2))
+    with pytest.raises(ValueError, match="dro_beta"):
+        PolicyLossConfig(dro_beta=0.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -663,9 +717,9 @@ def random_batch(dtype: torch.dtype, seed: int = 0, b: int = 4, tt: int = 5):
 @pytest.mark.parametrize("name", PLAIN_LOSSES)
 def test_constant_is_weight_scales_the_loss(name: str) -> None:
     old, lp, adv, _, mask = random_batch(F64)
-    base, _ = compute_policy_loss(name, old, lp, adv, mask, PolicyLossConfig())
+    base, _ = compute_policy_loss(name, old, lp, adv, mask, RUNNABLE)
     scaled, _ = compute_policy_loss(
-        name, old, lp, adv, mask, PolicyLossConfig(), torch.full_like(lp, 2.5)
+        name, old, lp, adv, mask, RUNNABLE, torch.full_like(lp, 2.5)
     )
     close(scaled, 2.5 * base.item())
 
@@ -676,7 +730,7 @@ def test_float32_and_float64(name: str) -> None:
     for dtype in (torch.float32, F64):
         old, lp, adv, w, mask = random_batch(dtype)
         lp.requires_grad_(True)
-        loss, metrics = compute_policy_loss(name, old, lp, adv, mask, PolicyLossConfig(), w)
+        loss, metrics = compute_policy_loss(name, old, lp, adv, mask, RUNNABLE, w)
         loss.backward()
         assert loss.dtype == dtype and lp.grad.dtype == dtype
         results[dtype] = (loss.item(), lp.grad.to(F64), metrics)
@@ -691,7 +745,7 @@ def test_only_log_prob_receives_gradient(name: str) -> None:
     old, lp, adv, w, mask = random_batch(F64)
     for x in (old, lp, adv, w):
         x.requires_grad_(True)
-    loss, _ = compute_policy_loss(name, old, lp, adv, mask, PolicyLossConfig(), w)
+    loss, _ = compute_policy_loss(name, old, lp, adv, mask, RUNNABLE, w)
     loss.backward()
     assert lp.grad is not None
     assert old.grad is None and adv.grad is None and w.grad is None
@@ -732,7 +786,7 @@ def batches(draw):
 
 def loss_grad_metrics(name, old, lp, adv, mask, w, config=None):
     lp = lp.clone().requires_grad_(True)
-    config = PolicyLossConfig() if config is None else config
+    config = RUNNABLE if config is None else config
     loss, metrics = compute_policy_loss(name, old, lp, adv, mask, config, w)
     loss.backward()
     return loss.detach(), lp.grad, metrics

@@ -118,12 +118,13 @@ def test_micro_batch_weights_by_hand():
     # token-mean: 3 tokens of 6 / 3 of 6 ; seq-mean: 1 non-empty sequence of 3 / 2 of 3
     assert micro_batch_weights(mask, slices, "token-mean") == [3 / 6, 3 / 6]
     assert micro_batch_weights(mask, slices, "seq-mean-token-mean") == [1 / 3, 2 / 3]
+    assert micro_batch_weights(mask, slices, "token-sum") == [1.0, 1.0]  # a sum of sums
     assert micro_batch_weights(torch.zeros(2, 2, dtype=torch.bool), [slice(0, 2)],
                                "token-mean") == [0.0]
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum",
+                                  "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_weighted_micro_batch_aggregates_equal_the_global_one(mode):
     g = torch.Generator().manual_seed(0)
     loss = torch.randn(7, 5, generator=g, dtype=torch.float64)

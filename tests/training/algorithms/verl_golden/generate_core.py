@@ -11,13 +11,19 @@ Run from the repository root, in an environment with verl importable::
 
     python tests/training/algorithms/verl_golden/generate_core.py
 
-The committed file was produced with verl 0.9.1 (wheel unpacked, CPU torch) in the same scratch
-environment as ``generate.py`` (``/tmp/rcscratch/verl_import.py`` only stubs
-``transformers``/``codetiming``, which verl's package chain imports and the maths never uses)::
+The committed file was produced with verl 0.9.1 and CPU torch 2.13.0. Last regenerated on
+2026-11-26, adding ``token-sum``, the KL names ``abs+`` / ``k2+`` / ``mse+`` and the ``dro`` loss;
+every earlier case's outputs came out identical. The scratch environment is a throwaway venv with
+``pip install torch==2.13.0 numpy``, then ``pip install --no-deps verl==0.9.1 tensordict pyvers
+omegaconf codetiming antlr4-python3-runtime pyyaml packaging cloudpickle``, then ``pip install
+transformers ray==2.60.0 orjson``: the packages verl's import chain needs, none of them used by the
+maths. Run it from the repository root, not from ``/tmp``, whose ``ray/`` directory shadows the
+``ray`` package::
 
-    cd /work/main && PYTHONPATH=/tmp/rcscratch /tmp/verlenv/bin/python -c \
-        "import verl_import, runpy; runpy.run_path( \
-        'tests/training/algorithms/verl_golden/generate_core.py', run_name='__main__')"
+    /tmp/verlenv/bin/python tests/training/algorithms/verl_golden/generate_core.py
+
+(An earlier regeneration stubbed ``transformers``/``codetiming`` with ``/tmp/rcscratch/
+verl_import.py`` instead.)
 
 Everything is float64. Inputs are rounded to 12 significant digits *before* verl sees them (the
 stored inputs are exactly what verl ran on); verl's outputs are rounded to 12 significant digits.
@@ -82,7 +88,13 @@ OUTPUT = HERE / "core_algos.json"
 SIG_DIGITS = 12
 T = 7
 B_POLICY = 6
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 LOSS_SCALE_FACTOR = 5  # explicit Dr.GRPO constant (verl types it Optional[int])
 DTYPE = torch.float64
 
@@ -422,7 +434,7 @@ def advantage_cases(ca: Any, algo_config_cls: Any, batches: dict[str, Any]) -> l
     return cases
 
 
-VERL_KL_NAMES = ("kl", "abs", "mse", "low_var_kl", "kl+", "low_var_kl+")
+VERL_KL_NAMES = ("kl", "abs", "mse", "low_var_kl", "kl+", "abs+", "low_var_kl+", "k2+", "mse+")
 
 
 def kl_cases(ca: Any, data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -455,7 +467,14 @@ ACTOR_FIELDS = (
     "tau_pos",
     "tau_neg",
 )
-POLICY_LOSS_FIELDS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+POLICY_LOSS_FIELDS = (
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+    "dro_beta",
+)
 
 
 def policy_cases(verl: Any, batches: dict[str, Any]) -> list[dict[str, Any]]:
@@ -784,6 +803,16 @@ def policy_cases(verl: Any, batches: dict[str, Any]) -> list[dict[str, Any]]:
             actor=wide,
             tag="/wide_eps",
         )
+
+    # DRO: two β, token / sequence advantages, IS weights, every aggregation, the empty row
+    for beta in (0.1, 2.0):
+        run("dro", "far", policy_loss={"dro_beta": beta}, tag=f"/beta={beta}")
+    run("dro", "near", adv="seq", is_weights="token", policy_loss={"dro_beta": 0.5},
+        tag="/beta=0.5")
+    for mode in AGG_MODES:
+        run("dro", "far", loss_agg_mode=mode, is_weights="seq", policy_loss={"dro_beta": 0.5},
+            tag="/beta=0.5")
+    run("dro", e, policy_loss={"dro_beta": 0.5}, tag="/beta=0.5")
 
     # bypass mode (old_log_prob = rollout log-probs): one preset per loss type / RS flavour
     for preset, batch in (
