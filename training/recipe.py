@@ -129,8 +129,9 @@ _KNOWN_NAMES: dict[str, frozenset[str]] = {
                        "geo_mean", "gmpo", "gpg", "gspo", "gspo_token", "kl_cov", "reinforce",
                        "sapo", "vanilla"}),
     "advantage": frozenset({"dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo",
-                            "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                            "rloo"}),
+                            "optimal_token_baseline", "reinforce_plus_plus",
+                            "reinforce_plus_plus_baseline", "remax", "rloo",
+                            "tir_optimal_token_baseline"}),
     "kl": frozenset({"abs", "abs+", "k1", "k1+", "k2", "k3", "k3+"}),
     "preset": frozenset({
         "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
@@ -580,9 +581,10 @@ class AdvantageSpec(_Strict):
     """Advantage estimator (training.algorithms.advantages) and its settings."""
 
     estimator: str = Field("grpo", description=(
-        "Registered estimator, e.g. grpo, rloo, reinforce_plus_plus; Dr.GRPO = grpo with "
-        "norm_by_std false. gae and remax are refused: the runtime has no value model (critic) "
-        "and collects no greedy-baseline rewards."))
+        "Registered estimator, e.g. grpo, rloo, reinforce_plus_plus, optimal_token_baseline "
+        "(IS-aware: reads the trainer's π, Σπ² and the correction's IS weights); Dr.GRPO = grpo "
+        "with norm_by_std false. gae and remax are refused: the runtime has no value model "
+        "(critic) and collects no greedy-baseline rewards."))
     norm_by_std: YamlBool = Field(True, description=(
         "grpo: divide by the group std (False = Dr.GRPO, seed 000 stage 4 fix 1)."))
     gamma: YamlFloat = Field(1.0, ge=0.0, le=1.0, description="Discount (gae, reinforce++).")

@@ -8,7 +8,9 @@ Every estimator shares one signature::
 
 Names follow verl's advantage-estimator registry (seed 001, "Advantage estimation and KL
 regularization"): ``gae``, ``grpo``, ``dr_grpo``, ``grpo_passk``, ``rloo``, ``reinforce_plus_plus``,
-``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg``.
+``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg``, and the IS-aware
+``optimal_token_baseline`` / ``tir_optimal_token_baseline``, which also read ``policy``
+(:class:`TokenPolicy`: the trainer's log-probs, Σπ² and the IS weights).
 
 Conventions shared by all estimators (decisions where the seeds are silent are marked *decision*):
 
@@ -107,11 +109,24 @@ class AdvantageConfig:
 AdvantageResult = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
 
 
+@dataclass(frozen=True)
+class TokenPolicy:
+    """What the IS-aware estimators (``optimal_token_baseline``, ``tir_optimal_token_baseline``)
+    read besides the rewards, all (B, T): the log-prob of each sampled token and Σ_v π_v² of the
+    *same* distribution (one trainer forward; ``LogProbResult``), and the IS weights the
+    correction applies to each token (None = 1)."""
+
+    log_probs: torch.Tensor
+    sum_pi_squared: torch.Tensor
+    is_weights: torch.Tensor | None = None
+
+
 class AdvantageEstimator(Protocol):
     def __call__(self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                  index: GroupIndex | None, config: AdvantageConfig, *,
                  values: torch.Tensor | None = None,
-                 reward_baselines: torch.Tensor | None = None) -> AdvantageResult: ...
+                 reward_baselines: torch.Tensor | None = None,
+                 policy: TokenPolicy | None = None) -> AdvantageResult: ...
 
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., AdvantageResult]] = Registry("advantage estimator")
@@ -279,7 +294,8 @@ def _finish_group_relative(adv_seq: torch.Tensor, stats: GroupStats, mask: torch
 def gae_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                   index: GroupIndex | None, config: AdvantageConfig, *,
                   values: torch.Tensor | None = None,
-                  reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                  reward_baselines: torch.Tensor | None = None,
+                  policy: TokenPolicy | None = None) -> AdvantageResult:
     """Generalized Advantage Estimation (Schulman et al., arXiv:1506.02438) with a critic.
 
     Args:
@@ -341,7 +357,8 @@ def _grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index:
 def grpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                    index: GroupIndex | None, config: AdvantageConfig, *,
                    values: torch.Tensor | None = None,
-                   reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                   reward_baselines: torch.Tensor | None = None,
+                   policy: TokenPolicy | None = None) -> AdvantageResult:
     """GRPO outcome advantage (Shao et al., arXiv:2402.03300).
 
     A_i = (score_i − mean_g) / (std_g + ε), std Bessel-corrected; with
@@ -364,7 +381,8 @@ def grpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
 def dr_grpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                       index: GroupIndex | None, config: AdvantageConfig, *,
                       values: torch.Tensor | None = None,
-                      reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                      reward_baselines: torch.Tensor | None = None,
+                      policy: TokenPolicy | None = None) -> AdvantageResult:
     """Dr.GRPO (Liu et al., arXiv:2503.20783): GRPO without the per-group std division.
 
     A_i = score_i − mean_g, whatever ``config.norm_adv_by_std_in_grpo`` says. Seed 000 ("Fix 1")
@@ -394,7 +412,8 @@ def _passk_weights(n: int, k: int, dtype: torch.dtype, device: torch.device) -> 
 def grpo_passk_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                          index: GroupIndex | None, config: AdvantageConfig, *,
                          values: torch.Tensor | None = None,
-                         reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                         reward_baselines: torch.Tensor | None = None,
+                         policy: TokenPolicy | None = None) -> AdvantageResult:
     """Pass@k / max@k advantage with a leave-one-out baseline (Tang et al., arXiv:2503.19595).
 
     For a size-k subset S of the group, sample i ∈ S is credited max(S) − max(S \\ {i}) (its
@@ -446,7 +465,8 @@ def grpo_passk_advantage(token_level_rewards: torch.Tensor, response_mask: torch
 def rloo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                    index: GroupIndex | None, config: AdvantageConfig, *,
                    values: torch.Tensor | None = None,
-                   reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                   reward_baselines: torch.Tensor | None = None,
+                   policy: TokenPolicy | None = None) -> AdvantageResult:
     """REINFORCE leave-one-out (Ahmadian et al., arXiv:2402.14740; Kool et al. 2019).
 
     A_i = score_i − (Σ_{j≠i} score_j) / (n − 1)  (= n/(n−1) · (score_i − mean_g)); singleton
@@ -475,7 +495,8 @@ def rloo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
 def opo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                   index: GroupIndex | None, config: AdvantageConfig, *,
                   values: torch.Tensor | None = None,
-                  reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                  reward_baselines: torch.Tensor | None = None,
+                  policy: TokenPolicy | None = None) -> AdvantageResult:
     """On-Policy RL with the optimal (length-weighted) baseline, OPO (arXiv:2505.23585).
 
     b_g = Σ_i L_i · score_i / Σ_i L_i over the group, L_i = number of valid tokens of sequence i;
@@ -507,7 +528,8 @@ def opo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
 def gpg_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                   index: GroupIndex | None, config: AdvantageConfig, *,
                   values: torch.Tensor | None = None,
-                  reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                  reward_baselines: torch.Tensor | None = None,
+                  policy: TokenPolicy | None = None) -> AdvantageResult:
     """Group Policy Gradient, GPG (Chu et al., arXiv:2504.02546), with verl's α.
 
     A_i = α · (score_i − mean_g) / f_norm, α = B_valid / max(1, #{valid i: score_i ≠ 0}) and
@@ -540,7 +562,8 @@ def gpg_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
 def reinforce_plus_plus_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                   index: GroupIndex | None, config: AdvantageConfig, *,
                                   values: torch.Tensor | None = None,
-                                  reward_baselines: torch.Tensor | None = None
+                                  reward_baselines: torch.Tensor | None = None,
+                                  policy: TokenPolicy | None = None
                                   ) -> AdvantageResult:
     """REINFORCE++ (Hu, arXiv:2501.03262): globally whitened discounted returns.
 
@@ -568,7 +591,8 @@ def reinforce_plus_plus_baseline_advantage(token_level_rewards: torch.Tensor,
                                            response_mask: torch.Tensor,
                                            index: GroupIndex | None, config: AdvantageConfig, *,
                                            values: torch.Tensor | None = None,
-                                           reward_baselines: torch.Tensor | None = None
+                                           reward_baselines: torch.Tensor | None = None,
+                                           policy: TokenPolicy | None = None
                                            ) -> AdvantageResult:
     """REINFORCE++-baseline (arXiv:2501.03262): group mean subtracted, then global whitening.
 
@@ -598,7 +622,8 @@ def reinforce_plus_plus_baseline_advantage(token_level_rewards: torch.Tensor,
 def remax_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                     index: GroupIndex | None, config: AdvantageConfig, *,
                     values: torch.Tensor | None = None,
-                    reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                    reward_baselines: torch.Tensor | None = None,
+                    policy: TokenPolicy | None = None) -> AdvantageResult:
     """ReMax (Li et al., arXiv:2310.10505): return-to-go minus the greedy response's reward.
 
     G_t = Σ_{t' ≥ t, valid} r_t' (undiscounted, as in verl; ``gamma`` is ignored);
@@ -628,10 +653,142 @@ def remax_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tens
     return adv, returns, _group_metrics(outcome_scores(rewards, mask), valid_seq, index)
 
 
+OTB_EPS = 1e-8
+"""Added to the baseline's denominator Σ_i W_{i,t} (verl's ``epsilon`` of the OTB estimators)."""
+
+
+def _otb_inputs(name: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                index: GroupIndex | None, policy: TokenPolicy | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, GroupStats]:
+    """(rewards, mask, G = reward-to-go, W = cumulative path-variance proxy, group stats).
+
+    ``w_t = 1 − 2 π_t + Σ_v π_v²`` (= ‖e_{y_t} − π‖², the squared norm of the score of the
+    softmax's logits at token t) times ρ_t² when IS weights are given; W_t = Σ_{j ≤ t, valid} w_j.
+    """
+    index = _require_index(name, index)
+    if policy is None:
+        raise ValueError(f"advantage estimator {name!r} needs the trainer's per-token log-probs "
+                         "and Σπ² (and the IS weights, if any); pass policy=TokenPolicy(...)")
+    rewards, mask = _prepare(token_level_rewards, response_mask)
+    for what, x in (("log_probs", policy.log_probs), ("sum_pi_squared", policy.sum_pi_squared),
+                    ("is_weights", policy.is_weights)):
+        if x is not None and x.shape != mask.shape:
+            raise ValueError(f"policy.{what} has shape {tuple(x.shape)}; expected "
+                             f"{tuple(mask.shape)} like the rewards")
+    dtype = rewards.dtype
+    pi = torch.exp(sanitize(policy.log_probs.detach().to(dtype), mask))
+    w = 1.0 - 2.0 * pi + sanitize(policy.sum_pi_squared.detach().to(dtype), mask)
+    if policy.is_weights is not None:
+        w = w * sanitize(policy.is_weights.detach().to(dtype), mask).square()
+    cumulative = torch.where(mask, w, torch.zeros_like(w)).cumsum(dim=-1)
+    returns = discounted_returns(rewards, mask, 1.0)
+    stats = group_stats(outcome_scores(rewards, mask), sequence_mask(mask), index)
+    return rewards, mask, returns, cumulative, stats
+
+
+def _otb_baseline(returns: torch.Tensor, cumulative: torch.Tensor, mask: torch.Tensor,
+                  members: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The group's baseline (N, T) at each position: B_t = Σ_i G_{i,t} W_{i,t} m_{i,t} /
+    (Σ_i W_{i,t} m_{i,t} + OTB_EPS), the same for every member; with the zero-tail rule: when one
+    member is strictly the longest, its baseline is 0 from the second-longest length on (there B_t
+    would be its own return and its advantage ≈ 0)."""
+    g, w, m = returns[members], cumulative[members], mask[members].to(returns.dtype)
+    b = ((g * w * m).sum(dim=0) / ((w * m).sum(dim=0) + OTB_EPS)).expand_as(g).clone()
+    top = torch.sort(lengths[members], descending=True).values
+    longest = (lengths[members] == top[0]).nonzero().flatten()
+    if longest.numel() == 1 and top[0] > top[1]:
+        b[int(longest[0]), int(top[1]):] = 0.0
+    return b
+
+
+@ADVANTAGE_ESTIMATORS.register("optimal_token_baseline")
+def optimal_token_baseline_advantage(token_level_rewards: torch.Tensor,
+                                     response_mask: torch.Tensor, index: GroupIndex | None,
+                                     config: AdvantageConfig, *,
+                                     values: torch.Tensor | None = None,
+                                     reward_baselines: torch.Tensor | None = None,
+                                     policy: TokenPolicy | None = None) -> AdvantageResult:
+    """OTB, the optimal token baseline (seed 001 "IS-aware advantage estimators"; verl 0.9.1's
+    ``optimal_token_baseline``): a per-position baseline that minimises the variance of the
+    gradient estimate under importance weighting.
+
+    With G_{i,t} the undiscounted reward-to-go and W_{i,t} the cumulative path-variance proxy
+    (:func:`_otb_inputs`: Σ_{j ≤ t} (1 − 2π_j + Σπ²_j) · ρ_j²), for every group of ≥ 2 members
+    and every position t: ``B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + 1e-8)`` over the members
+    valid at t, and ``A_{i,t} = G_{i,t} − B_t``. Positions are absolute (a multi-turn response's
+    tool tokens shift them; ``tir_optimal_token_baseline`` aligns by valid-token index instead).
+    Zero tail: when one member is strictly the longest (lengths = valid-token counts), its
+    baseline is 0 from the second-longest length on. A singleton group keeps A = G (baseline 0,
+    verl). No normalisation. Empty sequences are no group members (module docstring), which
+    gives verl's result: its empty member contributes nothing to the sums and, being shortest,
+    hands the zero tail to the other.
+
+    Args:
+        token_level_rewards (B, T), response_mask (B, T), index (B,): see the module docstring.
+        config: validation only.
+        values, reward_baselines: unused.
+        policy: π's log-probs and Σπ² from one trainer forward (the step's π_old under recompute)
+            and the correction's IS weights ρ (None = 1).
+    Returns:
+        advantages (B, T); returns (B, T) = G; group metrics.
+    """
+    _, mask, returns, cumulative, stats = _otb_inputs("optimal_token_baseline",
+                                                      token_level_rewards, response_mask, index,
+                                                      policy)
+    lengths = mask.sum(dim=-1)
+    baseline = torch.zeros_like(returns)
+    for g in range(int(stats.count.numel())):
+        members = ((stats.gid == g) & stats.valid_seq).nonzero().flatten()
+        if members.numel() >= 2:
+            baseline[members] = _otb_baseline(returns, cumulative, mask, members, lengths)
+    adv = torch.where(mask, returns - baseline, torch.zeros_like(returns))
+    return adv, returns, stats.metrics()
+
+
+@ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline")
+def tir_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor,
+                                         response_mask: torch.Tensor, index: GroupIndex | None,
+                                         config: AdvantageConfig, *,
+                                         values: torch.Tensor | None = None,
+                                         reward_baselines: torch.Tensor | None = None,
+                                         policy: TokenPolicy | None = None) -> AdvantageResult:
+    """TIR-OTB, OTB for multi-turn (tool-integrated) responses (verl 0.9.1's
+    ``tir_optimal_token_baseline``): the same G, W and baseline as
+    :func:`optimal_token_baseline_advantage`, but members are aligned by the index of the valid
+    token (the k-th model token of each response) instead of the absolute position, so tool or
+    observation tokens (mask 0) between turns do not misalign the group; lengths and the zero
+    tail are in valid tokens. With right padding and no holes it equals OTB.
+
+    Args / Returns: as :func:`optimal_token_baseline_advantage`.
+    """
+    _, mask, returns, cumulative, stats = _otb_inputs("tir_optimal_token_baseline",
+                                                      token_level_rewards, response_mask, index,
+                                                      policy)
+    lengths = mask.sum(dim=-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    # pack: row i's k-th valid token → column k (zeros after its length)
+    rank = mask.long().cumsum(dim=-1) - 1
+    rows, cols = mask.nonzero(as_tuple=True)
+    packed_g = returns.new_zeros(mask.shape[0], width)
+    packed_w = returns.new_zeros(mask.shape[0], width)
+    packed_g[rows, rank[rows, cols]] = returns[rows, cols]
+    packed_w[rows, rank[rows, cols]] = cumulative[rows, cols]
+    packed_m = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    baseline = torch.zeros_like(packed_g)
+    for g in range(int(stats.count.numel())):
+        members = ((stats.gid == g) & stats.valid_seq).nonzero().flatten()
+        if members.numel() >= 2:
+            baseline[members] = _otb_baseline(packed_g, packed_w, packed_m, members, lengths)
+    adv = torch.zeros_like(returns)
+    adv[rows, cols] = (packed_g - baseline)[rows, rank[rows, cols]]
+    return adv, returns, stats.metrics()
+
+
 def compute_advantage(name: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                       index: GroupIndex | None = None, config: AdvantageConfig | None = None, *,
                       values: torch.Tensor | None = None,
-                      reward_baselines: torch.Tensor | None = None) -> AdvantageResult:
+                      reward_baselines: torch.Tensor | None = None,
+                      policy: TokenPolicy | None = None) -> AdvantageResult:
     """Run the estimator registered as ``name`` (KeyError listing valid names if unknown).
 
     Args:
@@ -640,12 +797,13 @@ def compute_advantage(name: str, token_level_rewards: torch.Tensor, response_mas
         config: defaults to ``AdvantageConfig()``.
         values (B, T): critic values (``gae`` only).
         reward_baselines (B,): greedy rewards (``remax`` only).
+        policy: log-probs, Σπ² and IS weights (the ``*optimal_token_baseline`` estimators).
     Returns:
         (advantages (B, T), returns (B, T), metrics).
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     return fn(token_level_rewards, response_mask, index, config or AdvantageConfig(),
-              values=values, reward_baselines=reward_baselines)
+              values=values, reward_baselines=reward_baselines, policy=policy)
 
 
 __all__ = [
@@ -653,6 +811,7 @@ __all__ = [
     "AdvantageConfig",
     "AdvantageEstimator",
     "GroupStats",
+    "TokenPolicy",
     "broadcast_to_tokens",
     "compute_advantage",
     "discounted_returns",

@@ -79,7 +79,7 @@ from typing import Any
 
 import torch
 
-from training.algorithms.advantages import AdvantageConfig, compute_advantage
+from training.algorithms.advantages import AdvantageConfig, TokenPolicy, compute_advantage
 from training.algorithms.diagnostics import compute_mismatch_metrics, variance_proxy_metrics
 from training.algorithms.is_correction import (
     CompISConfig,
@@ -626,11 +626,17 @@ class Learner:
         metrics.update(kl_metrics)
         mask = packed.batch.response_mask
         est = self.recipe.algorithm.advantage
+        applied = self._apply_correction(packed, policies)
+        # the IS-aware estimators (OTB) read π and Σπ² of one forward (π_current's, the step's
+        # start weights: π_old under recompute, as verl's actor pass gives them) and the
+        # correction's IS weights; the other estimators ignore them
+        policy = (None if self._sum_pi_squared is None else
+                  TokenPolicy(policies.current, self._sum_pi_squared, applied.weights))
         advantages, _, adv_metrics = compute_advantage(
             est.estimator, rewards, mask, index=packed.group_index,
             config=AdvantageConfig(norm_adv_by_std_in_grpo=est.norm_by_std, gamma=est.gamma,
-                                   lam=est.lam))
-        correction = self._correct(packed, policies, advantages)
+                                   lam=est.lam), policy=policy)
+        correction = self._correct(packed, policies, applied, advantages)
         train_metrics = self._train(packed, policies.proximal, advantages, correction,
                                     start_version)
         trained = train_metrics.get("train/skipped_step", 0.0) < 1.0
@@ -842,13 +848,18 @@ class Learner:
         return rewards - beta * kl, {"kl/value": value, "kl/coef": beta}
 
     # --- correction -----------------------------------------------------------------------------
-    def _correct(self, packed: _Packed, p: _Policies, advantages: torch.Tensor) -> _Correction:
-        """IS weights and kept tokens of ``algorithm.correction`` (:func:`apply_correction`),
-        then M2PO / OPSM; with ``ewma``, ``old/ewma_mask_frac`` for the reference's reset."""
+    def _apply_correction(self, packed: _Packed, p: _Policies) -> AppliedCorrection:
+        """IS weights and kept tokens of ``algorithm.correction`` (:func:`apply_correction`)."""
+        return apply_correction(self.recipe.algorithm.correction, self._preset, p.proximal,
+                                p.old, packed.rollout_log_prob, packed.batch.response_mask)
+
+    def _correct(self, packed: _Packed, p: _Policies, applied: AppliedCorrection,
+                 advantages: torch.Tensor) -> _Correction:
+        """``applied`` (:meth:`_apply_correction`) then M2PO / OPSM; with ``ewma``,
+        ``old/ewma_mask_frac`` for the reference's reset."""
         alg = self.recipe.algorithm
         mask = packed.batch.response_mask
         mu = packed.rollout_log_prob
-        applied = apply_correction(alg.correction, self._preset, p.proximal, p.old, mu, mask)
         weights, keep, metrics = applied.weights, applied.keep, dict(applied.metrics)
         if self.ewma_config is not None:
             metrics["old/ewma_mask_frac"] = self._ewma_mask_frac(applied, p.old, mu, mask)
@@ -1026,6 +1037,8 @@ class Learner:
         }
         if corr.weights is not None:
             out["is_weights"] = corr.weights
+        if self._sum_pi_squared is not None:
+            out["sum_pi_squared"] = self._sum_pi_squared
         if ref is not None:
             out["ref_log_prob"] = ref
         return out

@@ -15,6 +15,7 @@ from torch.testing import assert_close
 from training.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
+    TokenPolicy,
     compute_advantage,
     discounted_returns,
     group_ids,
@@ -23,14 +24,20 @@ from training.algorithms.advantages import (
 )
 
 ALL_NAMES = [
-    "dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo", "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline", "remax", "rloo",
+    "dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline",
+    "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
+    "tir_optimal_token_baseline",
 ]
 # estimators whose advantage is purely group-relative: all-equal groups → exactly 0
 GROUP_RELATIVE = ["dr_grpo", "gpg", "grpo", "grpo_passk", "opo", "rloo"]
 GARBAGE = [math.nan, math.inf, -math.inf, 1e30, -7.0]
 EPS = 1e-6
 NAN = math.nan
+
+
+def pol(shape: tuple[int, ...]) -> TokenPolicy:
+    """A policy input for the OTB estimators (the others ignore it): π = 0.5, Σπ² = 0.3."""
+    return TokenPolicy(torch.full(shape, math.log(0.5)), torch.full(shape, 0.3))
 
 
 def tok(values: list[float], mask: list[list[int]]) -> torch.Tensor:
@@ -282,13 +289,14 @@ def test_empty_sequences_are_zero_and_not_group_members(name: str) -> None:
     baselines = torch.tensor([0.5, 0.5, NAN, 0.5, 0.5])
     index = ["a", "a", "a", "b", "b"]
     kw = {"values": values, "reward_baselines": baselines}
+    kw["policy"] = pol(tuple(rewards.shape))
     adv, ret, metrics = compute_advantage(name, rewards, mask, index, **kw)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     assert torch.equal(adv[2], torch.zeros(2)) and torch.equal(ret[2], torch.zeros(2))
     keep = [0, 1, 3, 4]
     adv_without, _, _ = compute_advantage(
         name, rewards[keep], mask[keep], [index[i] for i in keep],
-        values=values[keep], reward_baselines=baselines[keep])
+        values=values[keep], reward_baselines=baselines[keep], policy=pol((4, 2)))
     assert_close(adv[keep], adv_without)
     assert metrics["rollout/num_groups"] == 2.0
 
@@ -382,7 +390,8 @@ def test_every_estimator_shapes_dtype_masking_and_detached(name: str, dtype: tor
     values = torch.full((4, 3), 0.25, dtype=dtype, requires_grad=True)
     adv, ret, metrics = compute_advantage(
         name, rewards, mask, [0, 0, 1, 1], values=values,
-        reward_baselines=torch.tensor([0.5, 0.5, 0.1, 0.1], dtype=dtype))
+        reward_baselines=torch.tensor([0.5, 0.5, 0.1, 0.1], dtype=dtype),
+        policy=pol((4, 3)))
     for out in (adv, ret):
         assert out.shape == (4, 3) and out.dtype == dtype
         assert not out.requires_grad
@@ -434,14 +443,16 @@ def test_masked_garbage_never_changes_outputs(batch, garbage, dtype) -> None:
     bl_dirty = torch.where(seq_valid, bl, torch.full_like(bl, garbage))
     for name in ALL_NAMES:
         try:
-            clean = compute_advantage(name, r, mask, index, values=v, reward_baselines=bl)
+            clean = compute_advantage(name, r, mask, index, values=v, reward_baselines=bl,
+                                      policy=pol(tuple(r.shape)))
         except ValueError:  # grpo_passk with < 2 non-empty members in a group
             assert name == "grpo_passk"
             with pytest.raises(ValueError):
                 compute_advantage(name, _dirty(r, mask, garbage), mask, index)
             continue
         dirty = compute_advantage(name, _dirty(r, mask, garbage), mask, index,
-                                  values=_dirty(v, mask, garbage), reward_baselines=bl_dirty)
+                                  values=_dirty(v, mask, garbage), reward_baselines=bl_dirty,
+                                  policy=pol(tuple(r.shape)))
         assert torch.equal(clean[0], dirty[0]), name
         assert torch.equal(clean[1], dirty[1]), name
         assert clean[2] == dirty[2]
@@ -484,7 +495,8 @@ def test_float32_matches_float64(batch) -> None:
     for name in ALL_NAMES:
         outs = [compute_advantage(name, torch.tensor(rewards, dtype=dt), mask, index,
                                   values=torch.tensor(values, dtype=dt),
-                                  reward_baselines=torch.tensor(baselines, dtype=dt))
+                                  reward_baselines=torch.tensor(baselines, dtype=dt),
+                                  policy=pol(tuple(mask.shape)))
                 for dt in (torch.float32, torch.float64)]
         assert outs[0][0].dtype == torch.float32 and outs[1][0].dtype == torch.float64
         # global whitening divides by a std that may be tiny: compare relative to the scale
@@ -519,3 +531,80 @@ def test_grpo_passk_matches_subset_enumeration(scores, data) -> None:
         default, _, _ = compute_advantage("grpo_passk", rewards, torch.ones(n, 1), [0] * n,
                                           AdvantageConfig(norm_adv_by_std_in_grpo=False))
         assert_close(default, expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# OTB / TIR-OTB (seed 001 "IS-aware advantage estimators"; verl 0.9.1 parity in
+# test_core_algos_verl_golden.py)
+# ------------------------------------------------------------------------------------------------
+
+OTB_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+OTB_REWARDS = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+# π = 0.5 and Σπ² = 0.5 everywhere: w = 1 − 2·0.5 + 0.5 = 0.5 per token
+OTB_POLICY = TokenPolicy(torch.full((2, 3), math.log(0.5), dtype=torch.float64),
+                         torch.full((2, 3), 0.5, dtype=torch.float64))
+
+
+def test_otb_hand_values_with_the_zero_tail() -> None:
+    # G = [[1, 1, 1], [0, 0, 0]]; W = [[0.5, 1, 1.5], [0.5, 1, ·]]
+    # B_0 = (1·0.5 + 0·0.5) / 1.0 = 0.5, B_1 = (1·1 + 0·1) / 2 = 0.5; at t = 2 only row 0 is
+    # valid (B_2 = 1·1.5 / 1.5 = 1), but row 0 is the strictly longest member: its baseline is 0
+    # from the second-longest length (2) on, so A_{0,2} = G = 1 instead of 0
+    adv, ret, metrics = compute_advantage("optimal_token_baseline", OTB_REWARDS, OTB_MASK,
+                                          ["g", "g"], policy=OTB_POLICY)
+    assert_close(ret, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64))
+    assert_close(adv, torch.tensor([[0.5, 0.5, 1.0], [-0.5, -0.5, 0.0]], dtype=torch.float64),
+                 rtol=1e-7, atol=1e-7)
+    assert metrics["rollout/num_groups"] == 1.0
+
+
+def test_otb_is_weights_enter_squared() -> None:
+    # ρ = 2 on row 0's first token: w_{0,0} = 0.5 · 4 = 2 → W_0 = [2, 2.5, 3], W_1 = [0.5, 1]
+    # B_0 = 1·2 / 2.5 = 0.8, B_1 = 1·2.5 / 3.5 = 5/7
+    rho = torch.ones(2, 3, dtype=torch.float64)
+    rho[0, 0] = 2.0
+    policy = TokenPolicy(OTB_POLICY.log_probs, OTB_POLICY.sum_pi_squared, rho)
+    adv, _, _ = compute_advantage("optimal_token_baseline", OTB_REWARDS, OTB_MASK, [0, 0],
+                                  policy=policy)
+    expected = [[1 - 0.8, 1 - 5 / 7, 1.0], [-0.8, -5 / 7, 0.0]]
+    assert_close(adv, torch.tensor(expected, dtype=torch.float64), rtol=1e-7, atol=1e-7)
+
+
+def test_otb_singleton_keeps_the_return_and_needs_the_policy() -> None:
+    adv, ret, _ = compute_advantage("optimal_token_baseline", OTB_REWARDS, OTB_MASK, [0, 1],
+                                    policy=OTB_POLICY)
+    assert torch.equal(adv, ret)
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        with pytest.raises(ValueError, match="Σπ²"):
+            compute_advantage(name, OTB_REWARDS, OTB_MASK, [0, 0])
+
+
+def test_tir_otb_aligns_by_valid_token_and_equals_otb_on_the_packed_layout() -> None:
+    # row 0 has a tool span at positions 1–2 (mask 0): its model tokens are positions 0, 3, 4
+    mask = torch.tensor([[1, 0, 0, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    rewards = torch.zeros(3, 5, dtype=torch.float64)
+    rewards[0, 4], rewards[1, 2], rewards[2, 1] = 1.0, 0.5, 0.0
+    g = torch.Generator().manual_seed(3)
+    log_p = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
+    sum_sq = log_p.exp().square() + 0.1
+    rho = torch.exp(0.3 * torch.randn(3, 5, generator=g, dtype=torch.float64))
+    adv, _, _ = compute_advantage("tir_optimal_token_baseline", rewards, mask, [0, 0, 0],
+                                  policy=TokenPolicy(log_p, sum_sq, rho))
+    # the same batch packed to the left by hand: OTB on it, scattered back, is TIR-OTB
+    order = [[0, 3, 4], [0, 1, 2], [0, 1]]
+    packed = [torch.zeros(3, 3, dtype=torch.float64) for _ in range(4)]
+    packed_mask = torch.zeros(3, 3, dtype=torch.long)
+    for i, cols in enumerate(order):
+        for k, c in enumerate(cols):
+            for x, src in zip(packed, (rewards, log_p, sum_sq, rho), strict=True):
+                x[i, k] = src[i, c]
+            packed_mask[i, k] = 1
+    adv_p, _, _ = compute_advantage("optimal_token_baseline", packed[0], packed_mask, [0, 0, 0],
+                                    policy=TokenPolicy(packed[1], packed[2], packed[3]))
+    for i, cols in enumerate(order):
+        assert_close(adv[i, cols], adv_p[i, : len(cols)])
+    assert torch.equal(adv[mask == 0], torch.zeros(int((mask == 0).sum()), dtype=torch.float64))
+    # and OTB on the unpacked batch aligns by position, which differs here
+    adv_otb, _, _ = compute_advantage("optimal_token_baseline", rewards, mask, [0, 0, 0],
+                                      policy=TokenPolicy(log_p, sum_sq, rho))
+    assert not torch.allclose(adv_otb, adv)

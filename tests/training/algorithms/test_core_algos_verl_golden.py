@@ -51,6 +51,7 @@ import torch
 from training.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
+    TokenPolicy,
     compute_advantage,
 )
 from training.algorithms.kl import KL_ALIASES, KL_ESTIMATORS, kl_penalty
@@ -76,7 +77,7 @@ KL_CASES = [c for c in CASES if c["kind"] == "kl"]
 POLICY_CASES = [c for c in CASES if c["kind"] == "policy_loss"]
 
 # Minimum number of cases per kind: regenerating with fewer cases fails here.
-MIN_CASES = {"agg_loss": 10, "advantage": 47, "kl": 6, "policy_loss": 89}
+MIN_CASES = {"agg_loss": 12, "advantage": 63, "kl": 9, "policy_loss": 100}
 
 # verl estimator name → our registry names replaying it (dr_grpo is grpo without std division).
 OUR_ESTIMATORS: dict[str, tuple[str, ...]] = {
@@ -89,6 +90,8 @@ OUR_ESTIMATORS: dict[str, tuple[str, ...]] = {
     "reinforce_plus_plus": ("reinforce_plus_plus",),
     "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline",),
     "remax": ("remax",),
+    "optimal_token_baseline": ("optimal_token_baseline",),
+    "tir_optimal_token_baseline": ("tir_optimal_token_baseline",),
 }
 # verl policy-loss name → our registry names replaying it.
 OUR_LOSSES: dict[str, tuple[str, ...]] = {
@@ -175,6 +178,15 @@ def test_fixture_covers_every_shared_advantage_estimator() -> None:
     } == {True, False}
     assert {c["batch"] for c in ADV_CASES if c["verl_error"]} == {"singleton"}
     assert {c["batch"] for c in ADV_CASES if c["estimator"] == "gae"} == set(BATCHES["rewards"])
+    # OTB / TIR-OTB on every batch, with and without IS weights; the interior holes of "dense"
+    # make the two differ, and the zero tail fires
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        otb = [c for c in ADV_CASES if c["estimator"] == name]
+        assert {(c["batch"], c["params"]["is_weights"]) for c in otb} == {
+            (b, w) for b in BATCHES["rewards"] for w in (False, True)}
+    by_name = {c["name"]: c for c in ADV_CASES}
+    assert (by_name["adv/optimal_token_baseline/is=False/dense"]["advantages"]
+            != by_name["adv/tir_optimal_token_baseline/is=False/dense"]["advantages"])
     for name in ("binary", "real"):
         scores, index = _scores_and_index(BATCHES["rewards"][name])
         groups: dict[int, set[float]] = {}
@@ -368,7 +380,12 @@ def test_advantages_match_verl(case: dict[str, Any], ours: str) -> None:
     rewards = _t(data["token_level_rewards"])
     mask = _mask(data["response_mask"])
     config = _advantage_config(case)
-    kwargs = {"values": _t(data["values"]), "reward_baselines": _t(data["reward_baselines"])}
+    kwargs: dict[str, Any] = {"values": _t(data["values"]),
+                              "reward_baselines": _t(data["reward_baselines"])}
+    if "optimal_token_baseline" in ours:
+        kwargs["policy"] = TokenPolicy(
+            _t(data["old_log_probs"]), _t(data["sum_pi_squared"]),
+            _t(data["is_weights"]) if case["params"]["is_weights"] else None)
     if case["verl_error"] is not None:
         # grpo_passk on a singleton group: verl raises ValueError, and so do we (docstring).
         with pytest.raises(Exception) as info:  # the type is checked below

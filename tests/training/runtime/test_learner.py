@@ -442,6 +442,40 @@ def test_uneven_groups_last_minibatch_takes_remainder():
     assert all(c is learner.step_config for c in configs)  # built once, from the recipe
 
 
+@pytest.mark.parametrize("correction", [None, "decoupled_token_is"])
+def test_otb_reads_the_trainers_pi_and_sum_pi_squared_and_the_is_weights(correction):
+    from training.algorithms.advantages import TokenPolicy, compute_advantage
+
+    eng = _engine()
+    alg = {"old_logprob": "recompute", "advantage": {"estimator": "optimal_token_baseline"}}
+    if correction:
+        alg["correction"] = {"kind": "preset", "name": correction}
+    learner = Learner(eng, _recipe(alg), keep_tensors=True)
+    groups = _groups(eng, n_groups=2, n=3)
+    for s in groups[0].samples:  # μ ≠ π_old: IS weights ≠ 1 on group 0
+        s.rollout_log_probs = [lp - 0.05 * (k % 3) for k, lp in enumerate(s.rollout_log_probs)]
+    res = learner.step(groups, step=0)
+    assert res.trained
+    d = res.debug
+    index = [0, 0, 0, 1, 1, 1]
+    weights = d.get("is_weights")
+    assert (weights is not None) == (correction is not None)
+    expected, _, _ = compute_advantage(
+        "optimal_token_baseline", d["token_level_rewards"], d["response_mask"], index,
+        policy=TokenPolicy(d["current_log_prob"], d["sum_pi_squared"], weights))
+    assert torch.equal(d["advantages"], expected)
+    # Σπ² is the trainer's: between π² and 1 at every response token
+    m = d["response_mask"].bool()
+    pi = d["current_log_prob"].exp()
+    assert bool((d["sum_pi_squared"][m] >= pi[m].square() - 1e-6).all())
+    assert bool((d["sum_pi_squared"][m] <= 1 + 1e-6).all())
+    if correction:  # the weights changed the baseline
+        unweighted, _, _ = compute_advantage(
+            "optimal_token_baseline", d["token_level_rewards"], d["response_mask"], index,
+            policy=TokenPolicy(d["current_log_prob"], d["sum_pi_squared"]))
+        assert not torch.allclose(unweighted, expected)
+
+
 def test_zero_variance_group_gets_zero_advantage():
     eng = _engine()
     learner = Learner(eng, _recipe(), keep_tensors=True)

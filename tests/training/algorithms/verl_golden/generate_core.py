@@ -12,8 +12,10 @@ Run from the repository root, in an environment with verl importable::
     python tests/training/algorithms/verl_golden/generate_core.py
 
 The committed file was produced with verl 0.9.1 and CPU torch 2.13.0. Last regenerated on
-2026-11-26, adding ``token-sum``, the KL names ``abs+`` / ``k2+`` / ``mse+`` and the ``dro`` loss;
-every earlier case's outputs came out identical. The scratch environment is a throwaway venv with
+2026-11-26, adding ``token-sum``, the KL names ``abs+`` / ``k2+`` / ``mse+``, the ``dro`` loss and
+the OTB / TIR-OTB estimators (their inputs ``old_log_probs``, ``sum_pi_squared``, ``is_weights``
+added to the reward batches from a generator of their own); every earlier case's outputs came out
+identical. The scratch environment is a throwaway venv with
 ``pip install torch==2.13.0 numpy``, then ``pip install --no-deps verl==0.9.1 tensordict pyvers
 omegaconf codetiming antlr4-python3-runtime pyyaml packaging cloudpickle``, then ``pip install
 transformers ray==2.60.0 orjson``: the packages verl's import chain needs, none of them used by the
@@ -213,6 +215,21 @@ def make_dense_reward_batch(seed: int) -> dict[str, Any]:
         "values": _r(values),
         "reward_baselines": _r(baselines),
     }
+
+
+def add_otb_inputs(data: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The OTB estimators' extra inputs, drawn from their own generator so the batch's other
+    fields stay what they were: ``old_log_probs`` (≤ 0), ``sum_pi_squared`` (Σ_v π_v², between
+    π_t² and π_t² + (1 − π_t)², the bounds any distribution with mass π_t on the token obeys)
+    and ``is_weights`` (IS weights ρ around 1)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (len(data["index"]), T)
+    log_p = -torch.rand(shape, generator=g, dtype=DTYPE) * 3.0
+    pi = log_p.exp()
+    sum_sq = pi.square() + torch.rand(shape, generator=g, dtype=DTYPE) * (1 - pi).square()
+    is_w = torch.exp(0.4 * torch.randn(shape, generator=g, dtype=DTYPE))
+    return {**data, "old_log_probs": _r(log_p), "sum_pi_squared": _r(sum_sq),
+            "is_weights": _r(is_w)}
 
 
 def make_kl_batch(seed: int) -> dict[str, Any]:
@@ -418,6 +435,24 @@ def advantage_cases(ca: Any, algo_config_cls: Any, batches: dict[str, Any]) -> l
             baselines,
             mask,
         )
+        for name, fn in (
+            ("optimal_token_baseline", ca.compute_optimal_token_baseline_advantage),
+            ("tir_optimal_token_baseline", ca.compute_multi_turn_optimal_token_baseline_advantage),
+        ):
+            for with_is in (False, True):
+                add(
+                    f"adv/{name}/is={with_is}/{batch}",
+                    batch,
+                    name,
+                    {"is_weights": with_is},
+                    fn,
+                    rewards.clone(),
+                    mask,
+                    index,
+                    old_log_probs=_t(data["old_log_probs"]),
+                    sum_pi_squared=_t(data["sum_pi_squared"]),
+                    rollout_is_weights=_t(data["is_weights"]) if with_is else None,
+                )
         for gamma, lam in ((1.0, 1.0), (0.99, 0.95)):
             add(
                 f"adv/gae/gamma={gamma}/lam={lam}/{batch}",
@@ -845,8 +880,11 @@ def build() -> dict[str, Any]:
     batches = {
         "agg": {"agg_full": make_agg_batch(31, False), "agg_empty_row": make_agg_batch(32, True)},
         "rewards": {
-            **{name: make_reward_batch(*spec) for name, spec in REWARD_BATCHES.items()},
-            "dense": make_dense_reward_batch(24),
+            name: add_otb_inputs(data, 1000 + data["seed"])
+            for name, data in {
+                **{name: make_reward_batch(*spec) for name, spec in REWARD_BATCHES.items()},
+                "dense": make_dense_reward_batch(24),
+            }.items()
         },
         "kl": make_kl_batch(41),
         "policy": {name: make_policy_batch(*spec) for name, spec in POLICY_BATCHES.items()},
