@@ -128,7 +128,7 @@ _KNOWN_NAMES: dict[str, frozenset[str]] = {
     "loss": frozenset({"bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro",
                        "geo_mean", "gmpo", "gpg", "gspo", "gspo_token", "kl_cov", "reinforce",
                        "sapo", "vanilla"}),
-    "advantage": frozenset({"dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo",
+    "advantage": frozenset({"dr_grpo", "gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo",
                             "optimal_token_baseline", "reinforce_plus_plus",
                             "reinforce_plus_plus_baseline", "remax", "rloo",
                             "tir_optimal_token_baseline"}),

@@ -10,7 +10,8 @@ Names follow verl's advantage-estimator registry (seed 001, "Advantage estimatio
 regularization"): ``gae``, ``grpo``, ``dr_grpo``, ``grpo_passk``, ``rloo``, ``reinforce_plus_plus``,
 ``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg``, and the IS-aware
 ``optimal_token_baseline`` / ``tir_optimal_token_baseline``, which also read ``policy``
-(:class:`TokenPolicy`: the trainer's log-probs, Σπ² and the IS weights).
+(:class:`TokenPolicy`: the trainer's log-probs, Σπ² and the IS weights), and ``gdpo``, which reads
+``components`` (per-sequence reward components).
 
 Conventions shared by all estimators (decisions where the seeds are silent are marked *decision*):
 
@@ -88,6 +89,10 @@ class AdvantageConfig:
     gpg_f_norm: float = 1.0
     """> 0; ``gpg`` divides its advantage by this constant (verl's ``f_norm``, default 1)."""
 
+    gdpo_weights: tuple[float, ...] | None = None
+    """``gdpo``: the weight of each reward component in the sum of their group-normalised
+    advantages (verl's ``gdpo_reward_weights``); None = 1 each."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"AdvantageConfig.gamma={self.gamma} must lie in [0, 1]; use 1.0 "
@@ -101,6 +106,10 @@ class AdvantageConfig:
         if self.pass_k is not None and (isinstance(self.pass_k, bool) or self.pass_k < 2):
             raise ValueError(f"AdvantageConfig.pass_k={self.pass_k} must be an int ≥ 2, or None "
                              "for k = group size")
+        if self.gdpo_weights is not None and not (
+                self.gdpo_weights and all(math.isfinite(w) for w in self.gdpo_weights)):
+            raise ValueError(f"AdvantageConfig.gdpo_weights={self.gdpo_weights} must be "
+                             "finite numbers, one per reward component, or None (1 each)")
         if not (self.gpg_f_norm > 0.0 and math.isfinite(self.gpg_f_norm)):
             raise ValueError(f"AdvantageConfig.gpg_f_norm={self.gpg_f_norm} must be a finite "
                              "number > 0; use 1.0")
@@ -126,7 +135,8 @@ class AdvantageEstimator(Protocol):
                  index: GroupIndex | None, config: AdvantageConfig, *,
                  values: torch.Tensor | None = None,
                  reward_baselines: torch.Tensor | None = None,
-                 policy: TokenPolicy | None = None) -> AdvantageResult: ...
+                 policy: TokenPolicy | None = None,
+                 components: torch.Tensor | None = None) -> AdvantageResult: ...
 
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., AdvantageResult]] = Registry("advantage estimator")
@@ -295,7 +305,8 @@ def gae_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
                   index: GroupIndex | None, config: AdvantageConfig, *,
                   values: torch.Tensor | None = None,
                   reward_baselines: torch.Tensor | None = None,
-                  policy: TokenPolicy | None = None) -> AdvantageResult:
+                  policy: TokenPolicy | None = None,
+                  components: torch.Tensor | None = None) -> AdvantageResult:
     """Generalized Advantage Estimation (Schulman et al., arXiv:1506.02438) with a critic.
 
     Args:
@@ -340,7 +351,12 @@ def gae_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
 def _grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex,
           config: AdvantageConfig, normalize: bool) -> AdvantageResult:
     rewards, mask = _prepare(token_level_rewards, response_mask)
-    scores = outcome_scores(rewards, mask)
+    return _grpo_scores(outcome_scores(rewards, mask), mask, index, config, normalize)
+
+
+def _grpo_scores(scores: torch.Tensor, mask: torch.Tensor, index: GroupIndex,
+                 config: AdvantageConfig, normalize: bool) -> AdvantageResult:
+    """GRPO of per-sequence ``scores`` (B,) over the valid tokens of ``mask`` (B, T) bool."""
     stats = group_stats(scores, sequence_mask(mask), index)
     g = stats.gid
     # singleton groups: baseline 0, std 1 (verl)
@@ -358,7 +374,8 @@ def grpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
                    index: GroupIndex | None, config: AdvantageConfig, *,
                    values: torch.Tensor | None = None,
                    reward_baselines: torch.Tensor | None = None,
-                   policy: TokenPolicy | None = None) -> AdvantageResult:
+                   policy: TokenPolicy | None = None,
+                   components: torch.Tensor | None = None) -> AdvantageResult:
     """GRPO outcome advantage (Shao et al., arXiv:2402.03300).
 
     A_i = (score_i − mean_g) / (std_g + ε), std Bessel-corrected; with
@@ -382,7 +399,8 @@ def dr_grpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Te
                       index: GroupIndex | None, config: AdvantageConfig, *,
                       values: torch.Tensor | None = None,
                       reward_baselines: torch.Tensor | None = None,
-                      policy: TokenPolicy | None = None) -> AdvantageResult:
+                      policy: TokenPolicy | None = None,
+                      components: torch.Tensor | None = None) -> AdvantageResult:
     """Dr.GRPO (Liu et al., arXiv:2503.20783): GRPO without the per-group std division.
 
     A_i = score_i − mean_g, whatever ``config.norm_adv_by_std_in_grpo`` says. Seed 000 ("Fix 1")
@@ -413,7 +431,8 @@ def grpo_passk_advantage(token_level_rewards: torch.Tensor, response_mask: torch
                          index: GroupIndex | None, config: AdvantageConfig, *,
                          values: torch.Tensor | None = None,
                          reward_baselines: torch.Tensor | None = None,
-                         policy: TokenPolicy | None = None) -> AdvantageResult:
+                         policy: TokenPolicy | None = None,
+                         components: torch.Tensor | None = None) -> AdvantageResult:
     """Pass@k / max@k advantage with a leave-one-out baseline (Tang et al., arXiv:2503.19595).
 
     For a size-k subset S of the group, sample i ∈ S is credited max(S) − max(S \\ {i}) (its
@@ -466,7 +485,8 @@ def rloo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
                    index: GroupIndex | None, config: AdvantageConfig, *,
                    values: torch.Tensor | None = None,
                    reward_baselines: torch.Tensor | None = None,
-                   policy: TokenPolicy | None = None) -> AdvantageResult:
+                   policy: TokenPolicy | None = None,
+                   components: torch.Tensor | None = None) -> AdvantageResult:
     """REINFORCE leave-one-out (Ahmadian et al., arXiv:2402.14740; Kool et al. 2019).
 
     A_i = score_i − (Σ_{j≠i} score_j) / (n − 1)  (= n/(n−1) · (score_i − mean_g)); singleton
@@ -496,7 +516,8 @@ def opo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
                   index: GroupIndex | None, config: AdvantageConfig, *,
                   values: torch.Tensor | None = None,
                   reward_baselines: torch.Tensor | None = None,
-                  policy: TokenPolicy | None = None) -> AdvantageResult:
+                  policy: TokenPolicy | None = None,
+                  components: torch.Tensor | None = None) -> AdvantageResult:
     """On-Policy RL with the optimal (length-weighted) baseline, OPO (arXiv:2505.23585).
 
     b_g = Σ_i L_i · score_i / Σ_i L_i over the group, L_i = number of valid tokens of sequence i;
@@ -529,7 +550,8 @@ def gpg_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
                   index: GroupIndex | None, config: AdvantageConfig, *,
                   values: torch.Tensor | None = None,
                   reward_baselines: torch.Tensor | None = None,
-                  policy: TokenPolicy | None = None) -> AdvantageResult:
+                  policy: TokenPolicy | None = None,
+                  components: torch.Tensor | None = None) -> AdvantageResult:
     """Group Policy Gradient, GPG (Chu et al., arXiv:2504.02546), with verl's α.
 
     A_i = α · (score_i − mean_g) / f_norm, α = B_valid / max(1, #{valid i: score_i ≠ 0}) and
@@ -563,7 +585,8 @@ def reinforce_plus_plus_advantage(token_level_rewards: torch.Tensor, response_ma
                                   index: GroupIndex | None, config: AdvantageConfig, *,
                                   values: torch.Tensor | None = None,
                                   reward_baselines: torch.Tensor | None = None,
-                                  policy: TokenPolicy | None = None
+                                  policy: TokenPolicy | None = None,
+                                  components: torch.Tensor | None = None
                                   ) -> AdvantageResult:
     """REINFORCE++ (Hu, arXiv:2501.03262): globally whitened discounted returns.
 
@@ -592,7 +615,8 @@ def reinforce_plus_plus_baseline_advantage(token_level_rewards: torch.Tensor,
                                            index: GroupIndex | None, config: AdvantageConfig, *,
                                            values: torch.Tensor | None = None,
                                            reward_baselines: torch.Tensor | None = None,
-                                           policy: TokenPolicy | None = None
+                                           policy: TokenPolicy | None = None,
+                                           components: torch.Tensor | None = None
                                            ) -> AdvantageResult:
     """REINFORCE++-baseline (arXiv:2501.03262): group mean subtracted, then global whitening.
 
@@ -623,7 +647,8 @@ def remax_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tens
                     index: GroupIndex | None, config: AdvantageConfig, *,
                     values: torch.Tensor | None = None,
                     reward_baselines: torch.Tensor | None = None,
-                    policy: TokenPolicy | None = None) -> AdvantageResult:
+                    policy: TokenPolicy | None = None,
+                    components: torch.Tensor | None = None) -> AdvantageResult:
     """ReMax (Li et al., arXiv:2310.10505): return-to-go minus the greedy response's reward.
 
     G_t = Σ_{t' ≥ t, valid} r_t' (undiscounted, as in verl; ``gamma`` is ignored);
@@ -651,6 +676,56 @@ def remax_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tens
     returns = discounted_returns(rewards, mask, 1.0)
     adv = sanitize(returns - baseline.unsqueeze(-1), mask)
     return adv, returns, _group_metrics(outcome_scores(rewards, mask), valid_seq, index)
+
+
+@ADVANTAGE_ESTIMATORS.register("gdpo")
+def gdpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                   index: GroupIndex | None, config: AdvantageConfig, *,
+                   values: torch.Tensor | None = None,
+                   reward_baselines: torch.Tensor | None = None,
+                   policy: TokenPolicy | None = None,
+                   components: torch.Tensor | None = None) -> AdvantageResult:
+    """GDPO, group reward-decoupled normalisation (arXiv:2601.05242; verl 0.9.1's ``gdpo``):
+    each reward component is normalised within its groups on its own, so a dominant component
+    does not drown the others, then the weighted sum is whitened over the batch.
+
+    ``A^k_i = GRPO(r^k)_i`` (``(r^k_i − mean_g) / (std_g + ε)``, or without the std when
+    ``norm_adv_by_std_in_grpo`` is False; singleton groups keep r/(1 + ε), zero-variance groups
+    0), ``A_i = Σ_k w_k A^k_i`` broadcast to the tokens, then whitened over every valid token of
+    the batch (unbiased variance + 1e-8; exactly 0 when all are equal). Without ``components``
+    the one component is the outcome score of ``token_level_rewards`` (verl's fallback: GRPO
+    then whitening).
+
+    Args:
+        token_level_rewards (B, T), response_mask (B, T), index (B,): see the module docstring.
+        config: uses ``gdpo_weights``, ``norm_adv_by_std_in_grpo``, ``epsilon``.
+        values, reward_baselines, policy: unused.
+        components (B, K): per-sequence reward components (e.g. correctness and format).
+    Returns:
+        advantages (B, T) = returns (B, T); group metrics of the summed components.
+    """
+    index = _require_index("gdpo", index)
+    rewards, mask = _prepare(token_level_rewards, response_mask)
+    if components is None:
+        scores = outcome_scores(rewards, mask).unsqueeze(1)
+    else:
+        if components.ndim != 2 or components.shape[0] != mask.shape[0]:
+            raise ValueError(f"components has shape {tuple(components.shape)}; expected "
+                             f"({mask.shape[0]}, K): one score per sequence and component")
+        scores = sanitize(components.detach().to(rewards.dtype),
+                          sequence_mask(mask).unsqueeze(1).expand_as(components))
+    k = scores.shape[1]
+    weights = config.gdpo_weights if config.gdpo_weights is not None else (1.0,) * k
+    if len(weights) != k:
+        raise ValueError(f"AdvantageConfig.gdpo_weights has {len(weights)} weights for {k} "
+                         "reward components; give one per component")
+    total = torch.zeros_like(rewards)
+    for j in range(k):
+        adv_j, _, _ = _grpo_scores(scores[:, j], mask, index, config,
+                                   config.norm_adv_by_std_in_grpo)
+        total = total + weights[j] * adv_j
+    adv = whiten_or_zero(total, mask)
+    return adv, adv.clone(), _group_metrics(scores.sum(dim=1), sequence_mask(mask), index)
 
 
 OTB_EPS = 1e-8
@@ -707,7 +782,8 @@ def optimal_token_baseline_advantage(token_level_rewards: torch.Tensor,
                                      config: AdvantageConfig, *,
                                      values: torch.Tensor | None = None,
                                      reward_baselines: torch.Tensor | None = None,
-                                     policy: TokenPolicy | None = None) -> AdvantageResult:
+                                     policy: TokenPolicy | None = None,
+                                     components: torch.Tensor | None = None) -> AdvantageResult:
     """OTB, the optimal token baseline (seed 001 "IS-aware advantage estimators"; verl 0.9.1's
     ``optimal_token_baseline``): a per-position baseline that minimises the variance of the
     gradient estimate under importance weighting.
@@ -751,7 +827,8 @@ def tir_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor,
                                          config: AdvantageConfig, *,
                                          values: torch.Tensor | None = None,
                                          reward_baselines: torch.Tensor | None = None,
-                                         policy: TokenPolicy | None = None) -> AdvantageResult:
+                                         policy: TokenPolicy | None = None,
+                                         components: torch.Tensor | None = None) -> AdvantageResult:
     """TIR-OTB, OTB for multi-turn (tool-integrated) responses (verl 0.9.1's
     ``tir_optimal_token_baseline``): the same G, W and baseline as
     :func:`optimal_token_baseline_advantage`, but members are aligned by the index of the valid
@@ -788,7 +865,8 @@ def compute_advantage(name: str, token_level_rewards: torch.Tensor, response_mas
                       index: GroupIndex | None = None, config: AdvantageConfig | None = None, *,
                       values: torch.Tensor | None = None,
                       reward_baselines: torch.Tensor | None = None,
-                      policy: TokenPolicy | None = None) -> AdvantageResult:
+                      policy: TokenPolicy | None = None,
+                      components: torch.Tensor | None = None) -> AdvantageResult:
     """Run the estimator registered as ``name`` (KeyError listing valid names if unknown).
 
     Args:
@@ -798,12 +876,14 @@ def compute_advantage(name: str, token_level_rewards: torch.Tensor, response_mas
         values (B, T): critic values (``gae`` only).
         reward_baselines (B,): greedy rewards (``remax`` only).
         policy: log-probs, Σπ² and IS weights (the ``*optimal_token_baseline`` estimators).
+        components (B, K): per-sequence reward components (``gdpo``).
     Returns:
         (advantages (B, T), returns (B, T), metrics).
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     return fn(token_level_rewards, response_mask, index, config or AdvantageConfig(),
-              values=values, reward_baselines=reward_baselines, policy=policy)
+              values=values, reward_baselines=reward_baselines, policy=policy,
+              components=components)
 
 
 __all__ = [

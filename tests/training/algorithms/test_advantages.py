@@ -24,7 +24,7 @@ from training.algorithms.advantages import (
 )
 
 ALL_NAMES = [
-    "dr_grpo", "gae", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline",
+    "dr_grpo", "gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo", "optimal_token_baseline",
     "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
     "tir_optimal_token_baseline",
 ]
@@ -608,3 +608,40 @@ def test_tir_otb_aligns_by_valid_token_and_equals_otb_on_the_packed_layout() -> 
     adv_otb, _, _ = compute_advantage("optimal_token_baseline", rewards, mask, [0, 0, 0],
                                       policy=TokenPolicy(log_p, sum_sq, rho))
     assert not torch.allclose(adv_otb, adv)
+
+
+# ------------------------------------------------------------------------------------------------
+# GDPO
+# ------------------------------------------------------------------------------------------------
+
+
+def test_gdpo_normalises_each_component_in_its_group_then_whitens_the_weighted_sum() -> None:
+    # two groups of 2, one token each; component 1 = correctness, component 2 = format
+    mask = torch.ones(4, 1)
+    comps = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    config = AdvantageConfig(gdpo_weights=(1.0, 0.5))
+    adv, ret, _ = compute_advantage("gdpo", torch.zeros(4, 1, dtype=torch.float64), mask,
+                                    [0, 0, 1, 1], config, components=comps)
+    # per group of 2 with scores (a, b), a ≠ b: std = |a − b|/√2, so A = ±(1/√2)/(1/√2 + ε)
+    a = (1 / math.sqrt(2)) / (1 / math.sqrt(2) + EPS)
+    c1 = [a, -a, 0.0, 0.0]  # group 1 of component 1 is all equal: exactly 0
+    c2 = [-a, a, a, -a]
+    summed = [x + 0.5 * y for x, y in zip(c1, c2, strict=True)]
+    assert_close(adv.flatten(), torch.tensor(whiten(summed), dtype=torch.float64))
+    assert torch.equal(adv, ret)
+    # summed first (GRPO on r1 + r2), group 0 ties (1 + 0 = 0 + 1) and teaches nothing; GDPO
+    # normalises each component apart and keeps the heavier correctness signal
+    tie, _, _ = compute_advantage("grpo", comps.sum(1, keepdim=True), mask, [0, 0, 1, 1])
+    assert tie[0, 0] == 0.0 and adv[0, 0] > 0
+
+
+def test_gdpo_without_components_is_grpo_then_batch_whitening() -> None:
+    rewards = torch.tensor([[1.0], [0.0], [0.5], [2.0]], dtype=torch.float64)
+    mask = torch.ones(4, 1)
+    adv, _, _ = compute_advantage("gdpo", rewards, mask, [0, 0, 1, 1])
+    grpo, _, _ = compute_advantage("grpo", rewards, mask, [0, 0, 1, 1])
+    assert_close(adv.flatten(), torch.tensor(whiten(grpo.flatten().tolist()),
+                                             dtype=torch.float64))
+    with pytest.raises(ValueError, match="gdpo_weights"):
+        compute_advantage("gdpo", rewards, mask, [0, 0, 1, 1],
+                          AdvantageConfig(gdpo_weights=(1.0, 2.0)))

@@ -77,7 +77,7 @@ KL_CASES = [c for c in CASES if c["kind"] == "kl"]
 POLICY_CASES = [c for c in CASES if c["kind"] == "policy_loss"]
 
 # Minimum number of cases per kind: regenerating with fewer cases fails here.
-MIN_CASES = {"agg_loss": 12, "advantage": 63, "kl": 9, "policy_loss": 100}
+MIN_CASES = {"agg_loss": 12, "advantage": 72, "kl": 9, "policy_loss": 100}
 
 # verl estimator name → our registry names replaying it (dr_grpo is grpo without std division).
 OUR_ESTIMATORS: dict[str, tuple[str, ...]] = {
@@ -92,6 +92,7 @@ OUR_ESTIMATORS: dict[str, tuple[str, ...]] = {
     "remax": ("remax",),
     "optimal_token_baseline": ("optimal_token_baseline",),
     "tir_optimal_token_baseline": ("tir_optimal_token_baseline",),
+    "gdpo": ("gdpo",),
 }
 # verl policy-loss name → our registry names replaying it.
 OUR_LOSSES: dict[str, tuple[str, ...]] = {
@@ -184,6 +185,10 @@ def test_fixture_covers_every_shared_advantage_estimator() -> None:
         otb = [c for c in ADV_CASES if c["estimator"] == name]
         assert {(c["batch"], c["params"]["is_weights"]) for c in otb} == {
             (b, w) for b in BATCHES["rewards"] for w in (False, True)}
+    # GDPO: verl's one-component fallback and two weighted components on every outcome batch
+    gdpo = {(c["batch"], str(c["params"]["components"]), str(c["params"].get("gdpo_weights")))
+            for c in ADV_CASES if c["estimator"] == "gdpo"}
+    assert len(gdpo) == 3 * (len(BATCHES["rewards"]) - 1)
     by_name = {c["name"]: c for c in ADV_CASES}
     assert (by_name["adv/optimal_token_baseline/is=False/dense"]["advantages"]
             != by_name["adv/tir_optimal_token_baseline/is=False/dense"]["advantages"])
@@ -362,6 +367,8 @@ def _advantage_config(case: dict[str, Any]) -> AdvantageConfig:
         kwargs["lam"] = p["lam"]
     if "f_norm" in p:
         kwargs["gpg_f_norm"] = p["f_norm"]
+    if p.get("gdpo_weights") is not None:
+        kwargs["gdpo_weights"] = tuple(p["gdpo_weights"])
     return AdvantageConfig(**kwargs)
 
 
@@ -386,6 +393,14 @@ def test_advantages_match_verl(case: dict[str, Any], ours: str) -> None:
         kwargs["policy"] = TokenPolicy(
             _t(data["old_log_probs"]), _t(data["sum_pi_squared"]),
             _t(data["is_weights"]) if case["params"]["is_weights"] else None)
+    tol: dict[str, float] = {}
+    if ours == "gdpo" and case["params"]["components"] is not None:
+        # verl turns each component into float32 (np.float32) and computes in float32: replay
+        # on the same float32-rounded scores, compared at float32's precision
+        scores = torch.where(mask, _t(data["token_level_rewards"]), 0.0).sum(dim=1)
+        comps = torch.stack([scores, _t(data["format_scores"])], dim=1)
+        kwargs["components"] = comps.float().double()
+        tol = {"rtol": 1e-5, "atol": 1e-6}
     if case["verl_error"] is not None:
         # grpo_passk on a singleton group: verl raises ValueError, and so do we (docstring).
         with pytest.raises(Exception) as info:  # the type is checked below
@@ -397,8 +412,8 @@ def test_advantages_match_verl(case: dict[str, Any], ours: str) -> None:
     # values there for GAE (returns = values, whitened advantages) and ReMax (interior holes), so
     # compare at valid positions only.
     assert not bool(adv[~mask].any()) and not bool(ret[~mask].any())
-    _close(adv[mask], _t(case["advantages"])[mask], msg="advantages")
-    _close(ret[mask], _t(case["returns"])[mask], msg="returns")
+    _close(adv[mask], _t(case["advantages"])[mask], msg="advantages", **tol)
+    _close(ret[mask], _t(case["returns"])[mask], msg="returns", **tol)
 
 
 # ---- KL estimators -------------------------------------------------------------------------

@@ -13,9 +13,9 @@ Run from the repository root, in an environment with verl importable::
 
 The committed file was produced with verl 0.9.1 and CPU torch 2.13.0. Last regenerated on
 2026-11-26, adding ``token-sum``, the KL names ``abs+`` / ``k2+`` / ``mse+``, the ``dro`` loss and
-the OTB / TIR-OTB estimators (their inputs ``old_log_probs``, ``sum_pi_squared``, ``is_weights``
-added to the reward batches from a generator of their own); every earlier case's outputs came out
-identical. The scratch environment is a throwaway venv with
+the OTB / TIR-OTB and GDPO estimators (their inputs ``old_log_probs``, ``sum_pi_squared``,
+``is_weights``, ``format_scores`` added to the reward batches from a generator of their own);
+every earlier case's outputs came out identical. The scratch environment is a throwaway venv with
 ``pip install torch==2.13.0 numpy``, then ``pip install --no-deps verl==0.9.1 tensordict pyvers
 omegaconf codetiming antlr4-python3-runtime pyyaml packaging cloudpickle``, then ``pip install
 transformers ray==2.60.0 orjson``: the packages verl's import chain needs, none of them used by the
@@ -228,8 +228,11 @@ def add_otb_inputs(data: dict[str, Any], seed: int) -> dict[str, Any]:
     pi = log_p.exp()
     sum_sq = pi.square() + torch.rand(shape, generator=g, dtype=DTYPE) * (1 - pi).square()
     is_w = torch.exp(0.4 * torch.randn(shape, generator=g, dtype=DTYPE))
+    # GDPO's second reward component (a 0/1 "format" score per sequence; the first is the
+    # batch's own outcome score)
+    fmt = (torch.rand(shape[0], generator=g, dtype=DTYPE) > 0.4).to(DTYPE)
     return {**data, "old_log_probs": _r(log_p), "sum_pi_squared": _r(sum_sq),
-            "is_weights": _r(is_w)}
+            "is_weights": _r(is_w), "format_scores": _r(fmt)}
 
 
 def make_kl_batch(seed: int) -> dict[str, Any]:
@@ -435,6 +438,32 @@ def advantage_cases(ca: Any, algo_config_cls: Any, batches: dict[str, Any]) -> l
             baselines,
             mask,
         )
+        if batch != "dense":  # GDPO: one component (verl's fallback), then two, weighted
+            add(f"adv/gdpo/components=1/{batch}", batch, "gdpo", {"components": None},
+                ca.compute_gdpo_outcome_advantage, rewards.clone(), mask, index)
+            scores = (rewards * mask).sum(dim=1)
+            for weights in ([1.0, 1.0], [1.0, 0.25]):
+                lengths = mask.sum(dim=1).long()
+                prompts = torch.zeros(len(lengths), 2)
+                attention = torch.cat([torch.ones_like(prompts), mask], 1).long()
+                verl_batch = {"prompts": prompts, "attention_mask": attention}
+                add(
+                    f"adv/gdpo/components=2/weights={weights}/{batch}",
+                    batch,
+                    "gdpo",
+                    {"components": ["outcome", "format"], "gdpo_weights": weights},
+                    # verl's `batch=` keyword clashes with add()'s own `batch`: bound here
+                    lambda *a, vb=verl_batch, **k: ca.compute_gdpo_outcome_advantage(
+                        *a, batch=vb, **k),
+                    rewards.clone(),
+                    mask,
+                    index,
+                    config=algo_config_cls(gdpo_reward_keys=["outcome", "format"],
+                                           gdpo_reward_weights=weights),
+                    non_tensor_batch={"outcome": scores.numpy(),
+                                      "format": np.array(data["format_scores"])},
+                )
+                assert bool((lengths > 0).all())
         for name, fn in (
             ("optimal_token_baseline", ca.compute_optimal_token_baseline_advantage),
             ("tir_optimal_token_baseline", ca.compute_multi_turn_optimal_token_baseline_advantage),
