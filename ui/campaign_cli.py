@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,9 @@ from ui.common import (
 )
 
 if TYPE_CHECKING:
-    from registry.db import OwnerRecord
+    from registry.campaign import Campaign
+    from registry.db import OwnerRecord, RegistryDB
+    from training.recipe import Recipe
 
 campaign_app = typer.Typer(help="Run staged campaigns (Prefect flows) and inspect them.",
                            no_args_is_help=True)
@@ -126,11 +129,11 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
         db.close()
 
 
-def _first_stage_recipes(campaign: Any, base: dict[str, Any], db: Any,
-                         campaign_id: str) -> list[Any]:
+def _first_stage_recipes(campaign: Campaign, base: dict[str, Any], db: RegistryDB,
+                         campaign_id: str) -> list[Recipe]:
     """The recipes the campaign's first stage trains when this run will train it (no earlier
-    run of the campaign promoted it): their starting checkpoints, warm starts included, can be
-    built while the services start."""
+    run of the campaign promoted it): :func:`_start` builds their starting checkpoints, warm
+    starts included, before the services start."""
     from registry.campaign import stage_recipes
 
     first = campaign.stages[0]
@@ -139,7 +142,7 @@ def _first_stage_recipes(campaign: Any, base: dict[str, Any], db: Any,
     return [recipe for _, recipe in stage_recipes(campaign, first, base, {}).candidates]
 
 
-def _start(recipes: list[Any], report: Any) -> None:
+def _start(recipes: list[Recipe], report: Callable[[str | None], None]) -> None:
     """Build the starting checkpoints of ``recipes`` (:func:`initial_checkpoint`: the cached
     warm start, trained the first time — minutes on a laptop — with ``report(text)`` showing
     its progress, e.g. ``"train 120/700"``, and ``report(None)`` when done), then start the services
@@ -167,7 +170,7 @@ def _start(recipes: list[Any], report: Any) -> None:
 
 
 def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
-                 up_api: str | None = None, first: list[Any] | None = None) -> None:
+                 up_api: str | None = None, first: list[Recipe] | None = None) -> None:
     from rich.console import Console
     from rich.live import Live
 
