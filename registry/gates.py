@@ -435,9 +435,9 @@ class IsWeightMeanBandParams(GateParams):
     The raw ratio, not ``is/<source>/weight_mean``: the weight is the correction method's output
     and counts a token a cap/IcePop method rejects as 0, so the Fix-2 candidate's own rejections
     would read as dips and fail it; the ratio is the same whatever method corrects the source.
-    The ratios are measured on every recipe, corrected or not; under ``old_logprob`` bypass or
-    loglinear π_old is μ, so the engine source is identically 1 (:func:`unmet_requirement`
-    refuses the gate there).
+    The ratios are measured on every recipe, corrected or not; under ``old_logprob`` bypass,
+    loglinear or linear_prox π_old is μ, so the engine source is identically 1
+    (:func:`unmet_requirement` refuses the gate there).
 
     delta: 0.005 — the seed's dips (0.992, 0.8 % below 1) leave the band with margin, while a
         mean that "mostly sits at 1.0" stays inside (ours: the seed gives the dip, not a band).
@@ -1701,9 +1701,11 @@ def unmet_requirement(name: str, params: Mapping[str, Any] | None,
     * ``eval_tracks_reward`` needs evaluation: ``eval.n`` > 0.
     * ``staleness_within_bound`` given ``max_dropped_frac`` needs ``async.max_off_policy_steps``
       (without it nothing is dropped and the parameter would silently never apply).
-    * ``is_weight_mean_band`` needs π_old distinct from μ: under ``old_logprob`` bypass or
-      loglinear (or a bypass preset, which forces bypass) ``is/engine/ratio/mean`` is
-      identically 1. Every other recipe measures both sources, corrected or not.
+    * ``is_weight_mean_band`` needs π_old distinct from μ
+      (:attr:`~training.recipe.AlgorithmConfig.has_distinct_old`): under ``old_logprob``
+      bypass, loglinear or linear_prox (or a bypass preset, which forces bypass)
+      ``is/engine/ratio/mean`` is identically 1. Every other recipe measures both sources,
+      corrected or not.
     * ``zero_variance_groups`` needs groups: ``rollout.n`` ≥ 2.
     The other gates read metrics every recipe logs.
 
@@ -1721,15 +1723,11 @@ def unmet_requirement(name: str, params: Mapping[str, Any] | None,
                 "stale, but the recipe keeps every sample (async.max_off_policy_steps is null); "
                 "set async.max_off_policy_steps or remove max_dropped_frac")
     if name == "is_weight_mean_band":
-        from training.recipe import PresetCorrection
-
         a = recipe.algorithm
-        corr = a.correction
-        bypass_preset = isinstance(corr, PresetCorrection) and corr.name.startswith("bypass_")
-        strategy = "bypass" if bypass_preset else a.old_logprob
-        if strategy in ("bypass", "loglinear"):
-            why = ("a bypass preset forces old_logprob bypass" if bypass_preset
-                   else f"old_logprob is {strategy}")
+        if not a.has_distinct_old:
+            why = ("a bypass preset forces old_logprob bypass"
+                   if a.effective_old_logprob != a.old_logprob
+                   else f"old_logprob is {a.old_logprob}")
             return (f"gate is_weight_mean_band reads the engine IS ratio π_old/μ, but {why}, "
                     "so π_old is μ and the ratio is identically 1; use old_logprob snapshot "
                     "(or recompute/ewma) or drop the gate")

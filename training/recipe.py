@@ -142,7 +142,7 @@ _KNOWN_NAMES: dict[str, frozenset[str]] = {
         "decoupled_token_icepop", "decoupled_token_is", "disabled"}),
     "agg": frozenset({"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"}),
-    "task": frozenset({"jsonl", "sum_digits"}),
+    "task": frozenset({"calc_chain", "jsonl", "sum_digits"}),
 }
 
 
@@ -358,7 +358,7 @@ class TaskConfig(_Strict):
     """The verifiable task (training.tasks registry)."""
 
     name: str = Field("sum_digits", description="Registered task name (asyncrl algorithms list "
-                      "shows losses; tasks: sum_digits, jsonl).")
+                      "shows losses; tasks: sum_digits, jsonl, calc_chain).")
     args: dict[str, Any] = Field(default_factory=dict, description=(
         "Task constructor arguments, e.g. {min_k: 1, max_k: 8} for sum_digits or {path: "
         "data.jsonl, reward: numeric} for jsonl."))
@@ -406,7 +406,15 @@ class RolloutConfig(_Strict):
         "Nucleus sampling (1 = off). Truncation shows up as engine mismatch."))
     max_response_tokens: YamlInt = Field(32, ge=1, le=100_000, description=(
         "Response cap; longer responses are truncated (finish_reason length, counted in "
-        "rollout/truncation_rate)."))
+        "rollout/truncation_rate). For a tool task it caps the whole trajectory: every turn's "
+        "tokens and the tool observations between them."))
+    max_turns: YamlInt = Field(8, ge=1, le=1_000, description=(
+        "Tool tasks only (e.g. calc_chain): most model turns per trajectory. A trajectory whose "
+        "last allowed turn ends in a tool call stops there (finish_reason length, counted as "
+        "truncated); single-turn tasks ignore it."))
+    tool_timeout_s: YamlFloat = Field(2.0, gt=0.0, le=600.0, description=(
+        "Tool tasks only: seconds a tool call may run; one that overruns gives the observation "
+        "{timeout} and the trajectory goes on (counted in rollout/tool_timeouts)."))
 
 
 # --- async ---------------------------------------------------------------------------------------
@@ -783,24 +791,62 @@ class OPSMSpec(_Strict):
 
 
 class KLSpec(_Strict):
-    """KL to the initial (reference) policy, as a penalty in the reward."""
+    """KL to the initial (reference) policy, as a penalty in the reward or a loss term."""
 
-    mode: Literal["none", "in_reward"] = Field("none", description=(
-        "'in_reward': token reward −= coef·KL(π_old ‖ π_ref); 'none': off."))
+    mode: Literal["none", "in_reward", "in_loss"] = Field("none", description=(
+        "'in_reward': token reward −= coef·KL(π_old ‖ π_ref); 'in_loss': coef·agg(KL term) is "
+        "added to the policy loss, differentiated through π_θ (seed 001: k2, or k3 with an IS "
+        "correction); 'none': off."))
     estimator: str = Field("k1", description="KL estimator: k1, abs, k2, k3, k1+, abs+, k3+.")
     coef: YamlFloat = Field(0.001, ge=0.0, le=10.0, description="Initial KL coefficient β.")
     target: YamlOptFloat = Field(None, gt=0.0, description=(
-        "Adaptive controller target KL (None = fixed coefficient)."))
+        "Adaptive controller target KL (None = fixed coefficient); mode in_reward only."))
     horizon: YamlInt = Field(10_000, ge=1, le=10_000_000, description=(
         "Adaptive controller horizon."))
+    is_correction: Literal["none", "clipped", "deepseek_k3"] = Field("none", description=(
+        "IS correction of the in_loss KL term, ρ = π_θ/π_old: none = the estimate as is "
+        "(verl's use_kl_loss); clipped = min(ρ·k, clip(ρ, 1−ε_low, 1+ε_high)·k) with the "
+        "loss's clip ratios (seed 004); deepseek_k3 = ρ·k3 (DeepSeek-V3.2's unbiased KL, needs "
+        "estimator k3). The correction's rollout IS weights multiply both IS-corrected terms."))
 
     @field_validator("estimator")
     @classmethod
     def _name(cls, v: str) -> str:
         return _check_name(v, "kl", "KL estimator")
 
+    @model_validator(mode="after")
+    def _loss_options(self) -> KLSpec:
+        if self.is_correction != "none" and self.mode != "in_loss":
+            raise ValueError(f"algorithm.kl.is_correction={self.is_correction} corrects the KL "
+                             "loss term; set algorithm.kl.mode: in_loss or is_correction: none")
+        if self.is_correction == "deepseek_k3" and self.estimator not in ("k3", "low_var_kl"):
+            raise ValueError(f"algorithm.kl.is_correction=deepseek_k3 weights the k3 estimator; "
+                             f"set algorithm.kl.estimator: k3 (not {self.estimator})")
+        if self.mode == "in_loss" and self.target is not None:
+            raise ValueError("algorithm.kl.target (the adaptive β) applies to mode in_reward; "
+                             "remove target or use mode: in_reward")
+        return self
 
-OLD_LOGPROB_STRATEGIES = ("recompute", "snapshot", "ewma", "loglinear", "bypass")
+
+class TurnSpec(_Strict):
+    """Options for multi-turn tool trajectories (seed 004 source 5); single-turn tasks have one
+    turn, where both options equal the trajectory form."""
+
+    advantage: Literal["trajectory", "turn"] = Field("trajectory", description=(
+        "trajectory = the estimator's advantage on every token; turn = a per-turn baseline: the "
+        "tokens of turn t get (R − mean R) / (std R + ε) over the group's samples that reached "
+        "turn t (std division only when advantage.norm_by_std); estimator grpo only."))
+    is_ratio: Literal["trajectory", "turn"] = Field("trajectory", description=(
+        "trajectory = sequence-level IS/RS statistics over the whole response; turn = each "
+        "turn's tokens form their own sequence for sequence-level weights, vetoes and "
+        "aggregates (turn-level ratio isolation: one turn's mismatch does not weigh the others)."))
+
+
+OLD_LOGPROB_STRATEGIES = ("recompute", "snapshot", "dedicated", "ewma", "loglinear",
+                          "linear_prox", "bypass")
+# what each strategy's π_old is (seed 003): the meaning downstream code asks AlgorithmConfig for
+_OLD_EXACT = frozenset({"snapshot", "dedicated"})  # the trainer at each token's own version
+_OLD_IS_ROLLOUT = frozenset({"loglinear", "linear_prox", "bypass"})  # π_old ≡ μ
 
 
 class AlgorithmConfig(_Strict):
@@ -810,37 +856,84 @@ class AlgorithmConfig(_Strict):
         "Advantage estimator and its settings."))
     loss: LossSpec = Field(default_factory=LossSpec, description=(
         "Policy loss, aggregation and clipping."))
-    old_logprob: Literal["recompute", "snapshot", "ewma", "loglinear", "bypass"] = Field(
+    old_logprob: Literal["recompute", "snapshot", "dedicated", "ewma", "loglinear",
+                         "linear_prox", "bypass"] = Field(
         "snapshot", description=(
             "Where π_old and the PPO clip centre π_prox come from (seed 003): recompute = both "
             "the trainer weights the step starts from; snapshot = π_old exact (the trainer "
-            "version that produced each token), π_prox the step's start weights; ewma = both "
-            "the revised PPO-EWMA reference; loglinear = π_prox the A-3PO interpolation, π_old "
-            "the rollout log-probs; bypass = both the rollout log-probs. Correction kind "
-            "decoupled_mis sets π_prox := π_old."))
+            "version that produced each token), π_prox the step's start weights; dedicated = "
+            "π_old exact from a separate frozen model copy loaded with every version synced to "
+            "the rollout engines (it holds the newest dedicated_versions of them; tokens of an "
+            "older version take the step's start weights, counted in "
+            "old/dedicated_fallback_frac; embedded trainer only), π_prox the step's start "
+            "weights; ewma = both the revised PPO-EWMA reference; loglinear = π_prox the A-3PO "
+            "log-space interpolation log μ + α(log π_θ − log μ), π_old the rollout log-probs; "
+            "linear_prox = π_prox AReaL's probability-space interpolation (1−α)μ + απ_θ with "
+            "the same α, π_old the rollout log-probs; bypass = both the rollout log-probs. "
+            "Correction kind decoupled_mis sets π_prox := π_old."))
+    dedicated_versions: YamlInt = Field(2, ge=1, le=64, description=(
+        "Synced weight versions the dedicated old-logit model holds (old_logprob: dedicated), "
+        "the newest ones, each a full copy of the parameters: 1 covers sync mode, 2 one_step; "
+        "fully async with a larger staleness needs more, or its older tokens fall back."))
     ewma: EWMASpec = Field(default_factory=EWMASpec, description=(
         "Revised PPO-EWMA reference settings (used when old_logprob is ewma)."))
     correction: CorrectionSpec = Field(default_factory=NoCorrection, description=(
         "IS/RS correction, by kind: none, compis, preset, decoupled or decoupled_mis."))
     m2po: M2POSpec | None = Field(None, description="M2PO masking (null = off).")
     opsm: OPSMSpec | None = Field(None, description="OPSM masking (null = off).")
-    routing_replay: Literal["none", "r2", "r3"] = Field("none", description=(
-        "MoE routing replay: r2 = the trainer's own earlier routes, r3 = the rollout's routes."))
+    routing_replay: Literal["none", "r2", "r3", "auto"] = Field("none", description=(
+        "MoE routing replay: r2 = the trainer's own earlier routes, r3 = the rollout's routes, "
+        "auto = seed 004's choice by the off-policiness N (Recipe.off_policiness): N = 1 none, "
+        "N = 2-3 r2, N >= 4 r3 (none for a model not known to be MoE); read the resolved value "
+        "from Recipe.routing_replay."))
     kl: KLSpec = Field(default_factory=KLSpec, description=(
         "KL penalty to the initial policy (off by default)."))
+    turns: TurnSpec = Field(default_factory=TurnSpec, description=(
+        "Turn-level advantage and IS isolation for tool trajectories (seed 004 source 5)."))
 
     @model_validator(mode="after")
     def _combos(self) -> AlgorithmConfig:
         why = refused_combination(self.old_logprob, self.correction)
         if why is not None:
             raise ValueError(why)
+        if self.turns.advantage == "turn" and self.advantage.estimator != "grpo":
+            raise ValueError(f"turns.advantage turn is a per-turn GRPO baseline; set "
+                             f"advantage.estimator grpo (got {self.advantage.estimator}) or "
+                             "turns.advantage trajectory")
         return self
+
+    @property
+    def effective_old_logprob(self) -> str:
+        """The strategy the learner runs: a bypass rollout-correction preset forces bypass."""
+        c = self.correction
+        if isinstance(c, PresetCorrection) and c.name.startswith("bypass_"):
+            return "bypass"
+        return self.old_logprob
+
+    @property
+    def old_is_exact(self) -> bool:
+        """π_old is the trainer at each token's own behaviour version (snapshot, dedicated),
+        wherever that version is still held; recompute is exact only on tokens of the step's
+        start version (:attr:`old_is_current`); the others never are."""
+        return self.effective_old_logprob in _OLD_EXACT
+
+    @property
+    def old_is_current(self) -> bool:
+        """π_old is the trainer at the step's start weights (recompute)."""
+        return self.effective_old_logprob == "recompute"
+
+    @property
+    def has_distinct_old(self) -> bool:
+        """π_old is a trainer-side policy, not the rollout log-probs μ (False under loglinear,
+        linear_prox and bypass, where π_old ≡ μ and every π_old/μ ratio is 1)."""
+        return self.effective_old_logprob not in _OLD_IS_ROLLOUT
 
 
 def refused_combination(old_logprob: str, correction: CorrectionSpec) -> str | None:
     """Why a correction cannot work with an old-log-prob strategy (one line with the fix), or
     None. Bypass has π_prox = π_old = μ, so every ratio these corrections form is 1; loglinear
-    has π_old = μ, so the clip of decoupled_mis would sit on the rollout log-probs."""
+    and linear_prox have π_old = μ, so the clip of decoupled_mis would sit on the rollout
+    log-probs."""
     c = correction
     if old_logprob == "bypass":
         if isinstance(c, CompISCorrection):
@@ -854,10 +947,37 @@ def refused_combination(old_logprob: str, correction: CorrectionSpec) -> str | N
             return (f"preset {c.name} weighs π_prox against the rollout log-probs, which "
                     "old_logprob: bypass makes equal (every weight is 1); use old_logprob: "
                     "snapshot, or a bypass_* preset")
-    if old_logprob == "loglinear" and isinstance(c, DecoupledMISCorrection):
-        return ("decoupled_mis centres the PPO clip at π_old, which loglinear does not have (its "
-                "π_old is the rollout log-probs); use old_logprob: snapshot or ewma")
+    if old_logprob in _OLD_IS_ROLLOUT and isinstance(c, DecoupledMISCorrection):
+        return (f"decoupled_mis centres the PPO clip at π_old, which {old_logprob} does not have "
+                "(its π_old is the rollout log-probs); use old_logprob: snapshot or ewma")
     return None
+
+
+class VCPOSpec(_Strict):
+    """VCPO (Huang et al. 2026, seed 001 "ESS-guided variance control"): the learning rate of a
+    trainer step scaled by the normalised effective sample size of its token IS weights,
+    ESS = (Σw)² / (N·Σw²) ∈ (0, 1]: the weights the correction applies, or π_current/μ when it
+    applies none."""
+
+    min_scale: YamlFloat = Field(0.05, gt=0.0, le=1.0, description=(
+        "Floor of the LR factor: lr × max(ESS, min_scale)."))
+
+
+class LengthSurgeGuardSpec(_Strict):
+    """Seed 001's cause F, reactive: if mean_response_len / len_window_steps_ago > ratio,
+    lr × factor. Only the LR half of the seed's fix is automatic (switching the correction to
+    bypass_pg_geo_rs mid-run is not); after a halving the window starts again, so the next one
+    needs a new surge measured over a whole window after it."""
+
+    ratio: YamlFloat = Field(1.2, gt=1.0, le=100.0, description=(
+        "Surge threshold: length now / length window_steps ago (seed 001: 1.20)."))
+    window_steps: YamlInt = Field(100, ge=1, le=1_000_000, description=(
+        "Trainer steps back the length is compared with (seed 001: 100)."))
+    factor: YamlFloat = Field(0.5, gt=0.0, lt=1.0, description=(
+        "LR multiplier per surge (seed 001: 0.5, a halving)."))
+    max_halvings: YamlOptInt = Field(None, ge=1, le=1_000, description=(
+        "Stop after this many (None = no limit; seed 001: a surge that persists after the LR "
+        "decay points upstream, at the reward)."))
 
 
 class OptimSpec(_Strict):
@@ -876,6 +996,13 @@ class OptimSpec(_Strict):
         "PPO epochs over each trainer step's batch."))
     micro_batch_size: YamlOptInt = Field(None, ge=1, le=1_000_000, description=(
         "Sequences per forward/backward (gradient accumulation; None = whole mini-batch)."))
+    vcpo: VCPOSpec | None = Field(None, description=(
+        "VCPO's ESS-guided step size (seed 001): each trainer step's learning rate × the "
+        "normalised ESS of its IS weights (null = off); logged as guard/vcpo_lr_scale."))
+    length_surge_guard: LengthSurgeGuardSpec | None = Field(None, description=(
+        "Cause F's reactive fix (seed 001): halve the learning rate when the mean response "
+        "length exceeds ratio × its value window_steps ago (null = off); logged as "
+        "guard/lr_halvings and a log line."))
 
 
 class EvalSpec(_Strict):
@@ -932,7 +1059,7 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> Recipe:
-        if self.algorithm.routing_replay != "none" and self.moe_experts == 0:
+        if self.algorithm.routing_replay not in ("none", "auto") and self.moe_experts == 0:
             raise ValueError(f"algorithm.routing_replay={self.algorithm.routing_replay} needs an "
                              "MoE model: set model.moe_experts > 0 or routing_replay: none")
         a = self.async_
@@ -943,7 +1070,7 @@ class Recipe(_Strict):
                 f"{a.mode} mode always produces (staleness up to {least}); set it >= {least}")
         e = self.engines
         if e.rollout == "sglang" and e.sglang.router == "sglang-router" \
-                and self.algorithm.routing_replay == "r3":
+                and self.routing_replay == "r3":
             raise ValueError("engines.sglang.router=sglang-router drops return_routed_experts, so "
                              "routing_replay r3 cannot work through it; use router: asyncrl")
         if e.rollout == "sglang" and e.sglang.weight_sync == "nccl" and e.train != "megatron":
@@ -974,6 +1101,10 @@ class Recipe(_Strict):
                              "model: megatron trains MoE layers under TP only with sequence "
                              "parallelism, which asyncrl does not run; split the experts with "
                              "expert_parallel (and data_parallel) and keep tensor_parallel: 1")
+        if self.algorithm.old_logprob == "dedicated" and e.train != "embedded":
+            raise ValueError(f"old_logprob: dedicated keeps its model copy beside the embedded "
+                             f"trainer only, not engines.train: {e.train}; use old_logprob: "
+                             "snapshot")
         if self.data.max_in_flight < self.rollout.n:
             raise ValueError(f"data.max_in_flight={self.data.max_in_flight} is below the group "
                              f"size rollout.n={self.rollout.n}; raise it")
@@ -1010,6 +1141,32 @@ class Recipe(_Strict):
         return self.groups_per_step * self.rollout.n
 
     @property
+    def updates_per_batch(self) -> int:
+        """Optimizer updates on each trainer step's batch: async.require_batches × optim.epochs."""
+        return self.async_.require_batches * self.optim.epochs
+
+    @property
+    def off_policiness(self) -> int:
+        """Seed 004's N for routing replay: the policy updates a sample's data spans, from the
+        weights that generated it to the last update made on it — updates_per_batch in sync
+        mode (the seed's global batch / mini-batch), × (1 + the expected staleness in trainer
+        steps) when the pipeline is asynchronous (one_step doubles it)."""
+        return max(1, round(self.updates_per_batch * (1 + self.async_.ewma_window)))
+
+    @property
+    def routing_replay(self) -> Literal["none", "r2", "r3"]:
+        """``algorithm.routing_replay`` with ``auto`` resolved (seed 004, "R2 vs R3 depends on
+        off-policiness"): N = 1 none (replay only adds bias on-policy), N = 2-3 r2, N ≥ 4 r3;
+        none for a model not known to be MoE. Everything downstream asks this."""
+        chosen = self.algorithm.routing_replay
+        if chosen != "auto":
+            return chosen
+        if not self.is_moe:
+            return "none"
+        n = self.off_policiness
+        return "none" if n <= 1 else "r2" if n < 4 else "r3"
+
+    @property
     def is_moe(self) -> bool:
         """True when the model is known to be MoE (a checkpoint of unknown kind: False)."""
         return bool(self.moe_experts)
@@ -1034,6 +1191,9 @@ class Recipe(_Strict):
 # count in the hash, so `--resume` of a run (and a campaign) from before them still matches
 _ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
     ("engines", "megatron", "precision", "fp32"),
+    ("algorithm", "kl", "is_correction", "none"),
+    ("optim", None, "vcpo", None),
+    ("optim", None, "length_surge_guard", None),
     ("async", None, "interrupt", "auto"),
     ("algorithm", "correction", "args", {}),
     ("algorithm", "loss", "loss_scale_factor", None),
@@ -1041,7 +1201,11 @@ _ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
     ("model", None, "origin", None),
     ("model", None, "moe_experts", None),
     ("engines", None, "rollout_threads", 1),
-    ("engines", None, "train_threads", 1))
+    ("engines", None, "train_threads", 1),
+    ("algorithm", None, "dedicated_versions", 2),
+    ("rollout", None, "max_turns", 8),
+    ("rollout", None, "tool_timeout_s", 2.0),
+    ("algorithm", None, "turns", {"advantage": "trajectory", "is_ratio": "trajectory"}))
 
 
 def recipe_hash(recipe: Recipe) -> str:

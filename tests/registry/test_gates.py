@@ -587,6 +587,14 @@ def test_unmet_requirement_names_the_missing_recipe_setting():
     msg = unmet_requirement("is_weight_mean_band", {},
                             _recipe(**{"algorithm.old_logprob": "bypass"}))
     assert "identically 1" in msg and "old_logprob is bypass" in msg
+    msg = unmet_requirement("is_weight_mean_band", {},
+                            _recipe(**{"algorithm.old_logprob": "linear_prox"}))
+    assert "identically 1" in msg and "old_logprob is linear_prox" in msg
+    msg = unmet_requirement("is_weight_mean_band", {}, _recipe(**{
+        "algorithm.correction": {"kind": "preset", "name": "bypass_ppo_clip"}}))
+    assert "a bypass preset forces old_logprob bypass" in msg
+    assert unmet_requirement("is_weight_mean_band", {},
+                             _recipe(**{"algorithm.old_logprob": "dedicated"})) is None
     msg = unmet_requirement("zero_variance_groups", {}, _recipe(**{"rollout.n": 1}))
     assert "rollout.n is 1" in msg
     assert all(unmet_requirement(n, {}, _recipe()) is None for n in ALL_GATES)

@@ -623,9 +623,39 @@ def test_combinations_without_meaning_are_refused():
             ("bypass", {"kind": "decoupled"}, "use old_logprob: snapshot, or a bypass preset"),
             ("bypass", {"kind": "preset", "name": "decoupled_token_is"}, "bypass_* preset"),
             ("bypass", {"kind": "decoupled_mis"}, "use old_logprob: snapshot"),
-            ("loglinear", {"kind": "decoupled_mis"}, "use old_logprob: snapshot or ewma")):
+            ("loglinear", {"kind": "decoupled_mis"}, "use old_logprob: snapshot or ewma"),
+            ("linear_prox", {"kind": "decoupled_mis"}, "use old_logprob: snapshot or ewma")):
         msg = _error({"algorithm": {"old_logprob": old, "correction": corr}})
         assert msg.startswith("recipe: algorithm: ") and fix in msg, msg
+
+
+@pytest.mark.parametrize(("old", "correction", "expected"), [
+    # effective strategy, old_is_exact, old_is_current, has_distinct_old
+    ("recompute", {"kind": "none"}, ("recompute", False, True, True)),
+    ("snapshot", {"kind": "compis"}, ("snapshot", True, False, True)),
+    ("dedicated", {"kind": "compis"}, ("dedicated", True, False, True)),
+    ("ewma", {"kind": "none"}, ("ewma", False, False, True)),
+    ("loglinear", {"kind": "decoupled"}, ("loglinear", False, False, False)),
+    ("linear_prox", {"kind": "decoupled"}, ("linear_prox", False, False, False)),
+    ("bypass", {"kind": "none"}, ("bypass", False, False, False)),
+    # a bypass preset forces bypass whatever old_logprob says
+    ("snapshot", {"kind": "preset", "name": "bypass_ppo_clip"}, ("bypass", False, False, False)),
+])
+def test_the_recipe_says_what_pi_old_is(old, correction, expected):
+    a = recipe_from_dict({"algorithm": {"old_logprob": old, "correction": correction}}).algorithm
+    assert (a.effective_old_logprob, a.old_is_exact, a.old_is_current,
+            a.has_distinct_old) == expected
+
+
+def test_dedicated_old_logit_model_settings():
+    assert recipe_from_dict({"algorithm": {"dedicated_versions": 2}}).hash() \
+        == recipe_from_dict({}).hash()  # added later, at its default: the old hash
+    assert recipe_from_dict({"algorithm": {"dedicated_versions": 3}}).hash() \
+        != recipe_from_dict({}).hash()
+    msg = _error({"algorithm": {"old_logprob": "dedicated", "dedicated_versions": 0}})
+    assert "dedicated_versions" in msg and "\n" not in msg
+    msg = _error({"algorithm": {"old_logprob": "dedicated"}, "engines": {"train": "megatron"}})
+    assert "old_logprob: dedicated" in msg and "use old_logprob: snapshot" in msg, msg
 
 
 @pytest.mark.parametrize(("spec", "expected"), [

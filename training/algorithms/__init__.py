@@ -44,6 +44,7 @@ _WHERE: dict[str, str] = {  # public name → the submodule that defines it
     "ewma_decay_from_staleness": "is_correction",
     "ewma_update": "is_correction",
     "kl_penalty": "kl",
+    "linear_proximal_log_prob": "is_correction",
     "loglinear_proximal_log_prob": "is_correction",
     "m2po_mask": "masking",
     "opsm_mask": "masking",

@@ -41,13 +41,20 @@ releases were renamed to these two families, not aliased):
                                             current version, e.g. sync)
   snapshot    each token's own version      pure engine mismatch (exact unless a version was
                                             evicted: ``old/snapshot_fallback_frac``)
+  dedicated   each token's own version      pure engine mismatch (exact unless the old-logit
+              (a separate model copy)       model no longer held the version:
+                                            ``old/dedicated_fallback_frac``)
   ewma        the EWMA reference            engine mismatch + the EWMA's distance from the
                                             behaviour versions (never exact)
   loglinear   μ                             nothing: π_old ≡ μ, every statistic is "no gap"
+  linear_prox μ                             nothing: π_old ≡ μ, every statistic is "no gap"
   bypass      μ                             nothing: π_old ≡ μ, every statistic is "no gap"
   ==========  ============================  =================================================
 
-  Under loglinear and bypass the engine gap is unmeasured; read train_rollout.
+  Under loglinear, linear_prox and bypass the engine gap is unmeasured; read train_rollout.
+  The recipe says which case a run is in (``AlgorithmConfig.old_is_exact``, ``old_is_current``,
+  ``has_distinct_old``); the learner logs ``old/exact_frac``, the share of loss tokens whose
+  π_old is exact.
 
 The zero-staleness check (:mod:`training.engines.mismatch`) has no staleness, so it reports its
 gap under ``mismatch/engine/*``.
@@ -193,15 +200,16 @@ def compute_off_policy_diagnostics(
     names (issue 14's contract).
 
     ``mismatch/train_rollout/*``: π_current vs μ (``current_log_prob``; None = π_prox, which is
-    π_current under the recompute and snapshot strategies — pass it under ewma and loglinear,
-    where π_prox is the EWMA reference or the A-3PO interpolation). ``mismatch/engine/*``: π_old
-    vs μ. ``is/staleness/*``: the measured π_current/π_old with CompIS's staleness method;
-    ``is/engine/*``: π_old/μ with its engine method; ``is/combined/*``: the weight CompIS would
-    apply, f_s(π_prox/π_old)·f_e(π_old/μ). ``rs/m2po/*``: M2PO's second-moment percentiles of
-    π_prox vs μ (the mask itself is not applied here).
+    π_current under the recompute, snapshot and dedicated strategies — pass it under ewma,
+    loglinear and linear_prox, where π_prox is the EWMA reference or an interpolation).
+    ``mismatch/engine/*``: π_old vs μ. ``is/staleness/*``: the measured π_current/π_old with
+    CompIS's staleness method; ``is/engine/*``: π_old/μ with its engine method;
+    ``is/combined/*``: the weight CompIS would apply, f_s(π_prox/π_old)·f_e(π_old/μ).
+    ``rs/m2po/*``: M2PO's second-moment percentiles of π_prox vs μ (the mask itself is not
+    applied here).
 
     No ``mismatch/engine/exact``: whether π_old is the exact behaviour version needs each
-    token's version and the strategy, which only the learner has (``Learner._old_is_exact``).
+    token's version and the strategy, which only the learner has (``Learner._old_exact_mask``).
     """
     current = proximal_log_prob if current_log_prob is None else current_log_prob
     cfg = compis or CompISConfig()

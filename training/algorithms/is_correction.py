@@ -408,14 +408,61 @@ def loglinear_proximal_log_prob(
     valid = as_bool_mask(response_mask)
     behav = sanitize(behaviour_log_prob, valid).detach()
     cur = sanitize(current_log_prob, valid).detach()
+    alpha = _interpolation_alpha(behaviour_version, current_version, valid, proximal_version,
+                                 behav.dtype)
+    prox = sanitize(behav + alpha * (cur - behav), valid)
+    return prox, alpha
+
+
+def _interpolation_alpha(behaviour_version: torch.Tensor, current_version: int,
+                         valid: torch.Tensor, proximal_version: int | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """(B, T) α_t = (v_prox − v_behav,t) / (v_θ − v_behav,t) clamped to [0, 1]; 0 where
+    v_behav ≥ v_θ and at masked positions (A-3PO / AReaL's proximal weight)."""
     v_prox = current_version - 1 if proximal_version is None else proximal_version
-    v_b = sanitize(behaviour_version.to(behav.dtype), valid)
+    v_b = sanitize(behaviour_version.to(dtype), valid)
     num = v_prox - v_b
     den = current_version - v_b
     alpha = torch.where(den > 0, num / den.clamp(min=1e-12), torch.zeros_like(num))
-    alpha = sanitize(alpha.clamp(0.0, 1.0), valid)
-    prox = sanitize(behav + alpha * (cur - behav), valid)
-    return prox, alpha
+    return sanitize(alpha.clamp(0.0, 1.0), valid)
+
+
+def linear_proximal_log_prob(
+    behaviour_log_prob: torch.Tensor,
+    current_log_prob: torch.Tensor,
+    behaviour_version: torch.Tensor,
+    current_version: int,
+    response_mask: torch.Tensor,
+    proximal_version: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AReaL's ``linear_prox``: the proximal policy by arithmetic interpolation in probability
+    space, no forward pass. Same α as :func:`loglinear_proximal_log_prob`; only the space differs.
+
+        π_prox,t = (1 − α_t) · π_behav,t + α_t · π_θ,t
+        log π_prox,t = logaddexp(log(1 − α_t) + log π_behav,t, log α_t + log π_θ,t)
+
+    (log-sum-exp form: no probability underflows for very unlikely tokens). By the AM–GM
+    inequality it is never below the log-linear proxy at the same α. Seed 003 (Proposition 1):
+    like the log-linear proxy it only re-parameterises the clip boundaries of the total ratio.
+
+    Args:
+        behaviour_log_prob: (B, T) log-probs recorded at generation (μ).
+        current_log_prob: (B, T) current policy (detached inside).
+        behaviour_version: (B, T) integer policy version that generated each token.
+        current_version: version of the current weights v_θ.
+        response_mask: (B, T).
+        proximal_version: v_prox; default ``current_version - 1``.
+    Returns:
+        (proximal log-probs (B, T) detached, α (B, T)); both 0 at masked positions.
+    """
+    valid = as_bool_mask(response_mask)
+    behav = sanitize(behaviour_log_prob, valid).detach()
+    cur = sanitize(current_log_prob, valid).detach()
+    alpha = _interpolation_alpha(behaviour_version, current_version, valid, proximal_version,
+                                 behav.dtype)
+    # log 0 = −inf drops a term exactly (α = 0 → μ, α = 1 → π_θ)
+    prox = torch.logaddexp(torch.log1p(-alpha) + behav, torch.log(alpha) + cur)
+    return sanitize(prox, valid), alpha
 
 
 # ----------------------------------------------------------------------------------------------

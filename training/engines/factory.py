@@ -1,7 +1,8 @@
 """Build the train engine a recipe names (``engines.train``): embedded or megatron.
 
-The runtime constructs every train engine here — the trainer's (:func:`make_train_engine`) and
-the frozen KL reference (:func:`make_reference_engine`) — so backends are chosen in one place.
+The runtime constructs every train engine here — the trainer's (:func:`make_train_engine`), the
+frozen KL reference (:func:`make_reference_engine`) and the dedicated old-logit model
+(:func:`make_old_logit_engine`) — so backends are chosen in one place.
 Heavy modules are imported only for the backend asked for; choosing ``megatron`` without
 megatron-core installed raises :class:`TrainBackendUnavailable` (a one-line
 :class:`~training.recipe.RecipeError`) before anything starts — :func:`check_train_backend` lets a
@@ -21,6 +22,7 @@ __all__ = [
     "MEGATRON_MISSING",
     "TrainBackendUnavailable",
     "check_train_backend",
+    "make_old_logit_engine",
     "make_reference_engine",
     "make_train_engine",
     "megatron_settings",
@@ -132,3 +134,28 @@ def make_reference_engine(recipe: Recipe, reference_dir: str | Path | None,
     return MegatronTrainEngine.from_pretrained(
         reference_dir, settings=megatron_settings(recipe.engines.megatron), launcher=launcher,
         snapshot_budget_bytes=0, route_cache_sequences=0, seed=recipe.seed)
+
+
+def make_old_logit_engine(recipe: Recipe, trainer: TrainEngine) -> TrainEngine:
+    """The dedicated old-logit model of ``old_logprob: dedicated`` (seed 003 §5.1): a second,
+    frozen engine on the trainer's backend and dtype, starting at the trainer's current weights
+    and version. It keeps ``algorithm.dedicated_versions`` versions: its live weights (the
+    newest synced version, loaded by ``load_version``) and, as snapshots, the older ones.
+
+    Only the embedded trainer has it (:class:`~training.recipe.Recipe` refuses it with
+    megatron): the copy is of the trainer's own module, in the trainer's process.
+    """
+    if recipe.engines.train != "embedded":
+        raise RecipeError(f"old_logprob: dedicated runs beside the embedded trainer only, not "
+                          f"engines.train: {recipe.engines.train}; use old_logprob: snapshot")
+    import copy
+
+    from training.engines.embedded.trainer import EmbeddedTrainEngine
+
+    assert isinstance(trainer, EmbeddedTrainEngine), type(trainer)
+    model = copy.deepcopy(trainer.model).requires_grad_(False)
+    one = sum(p.numel() * p.element_size() for p in model.parameters())
+    return EmbeddedTrainEngine(
+        model, trainer.tokenizer, weight_version=trainer.weight_version,
+        snapshot_budget_bytes=(recipe.algorithm.dedicated_versions - 1) * one,
+        route_cache_sequences=0, device=trainer.device)

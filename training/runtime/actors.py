@@ -15,7 +15,9 @@ rollouter ``sync_weights``), between these two.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.runtime.pipeline import GroupBuffer
@@ -25,7 +27,10 @@ if TYPE_CHECKING:  # the buffer actor's process never needs torch
     from training.recipe import Recipe
     from training.runtime.learner import StepResult
 
-__all__ = ["SampleBuffer", "TrainerWorker"]
+__all__ = ["LEARNER_STATE_FILE", "SampleBuffer", "TrainerWorker"]
+
+LEARNER_STATE_FILE = "learner_state.json"
+"""In a trainer checkpoint directory: :meth:`Learner.state_dict` (the reactive guards)."""
 
 
 class SampleBuffer:
@@ -124,6 +129,10 @@ class TrainerWorker:
         self.engine = make_train_engine(self.recipe, init_dir=init_dir, resume_dir=resume_dir,
                                         optim=optim)
         self.learner = Learner(self.engine, self.recipe, reference_dir=init_dir)
+        if resume_dir is not None:  # the guards' state (an LR halved before stays halved)
+            state = Path(resume_dir) / LEARNER_STATE_FILE
+            if state.is_file():
+                self.learner.load_state_dict(json.loads(state.read_text()))
 
     def weight_version(self) -> int:
         return int(self.engine.weight_version)
@@ -155,12 +164,24 @@ class TrainerWorker:
             self.engine.drop_snapshots(drop)
         return len(self.engine.snapshot_versions())
 
+    def weights_synced(self, version: int, referenced: list[int]) -> None:
+        """The rollout engines now serve ``version`` (the current weights); ``referenced``: the
+        synced versions buffered samples may still carry. The learner's dedicated old-logit
+        model (``old_logprob: dedicated``) loads the version and forgets the others."""
+        self.learner.weights_synced(int(version), list(referenced))
+
     def export(self, directory: str) -> int:
         """HF directory of the current weights (what the rollout engines load)."""
         return int(self.engine.export_weights(directory))
 
     def save(self, directory: str) -> str:
-        return str(self.engine.save_checkpoint(directory))
+        """The engine's checkpoint plus the learner's own state (``learner_state.json``: the
+        reactive guards'), restored by a resume."""
+        path = self.engine.save_checkpoint(directory)
+        state = self.learner.state_dict()
+        if state:
+            (Path(path) / LEARNER_STATE_FILE).write_text(json.dumps(state))
+        return str(path)
 
     # --- engines.sglang.weight_sync: nccl ----------------------------------------------------
     def init_weight_sync_nccl(self, urls: list[str], tp_size: int, group_name: str,

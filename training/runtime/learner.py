@@ -29,8 +29,17 @@ model once). One :meth:`Learner.step`:
                replaces the unavailable old policy     of the *parameters*, β = W/(W+2), reset
                for the staleness correction — the      by interval or by the train–inference
                clip — and the discrepancy repair)      mask rate (``old/ewma_mask_frac``)
+   dedicated   π_current                               exact: each token under a separate
+                                                       frozen model copy loaded with every
+                                                       version synced to the rollout engines
+                                                       (the newest ``dedicated_versions``);
+                                                       tokens of a version it no longer holds
+                                                       fall back to π_current
+                                                       (``old/dedicated_fallback_frac``)
    loglinear   A-3PO: log μ + α (log π_current −      μ (so r2 ≡ 1 and r3 = π_prox/μ is the
                log μ), α = (v_θ−1−v_b)/(v_θ−v_b)      decoupled behaviour weight)
+   linear_prox AReaL: log((1−α) μ + α π_current),     μ (as loglinear)
+               the same α, in probability space
    bypass      μ                                       μ
    ==========  ======================================  =======================================
 
@@ -72,6 +81,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,8 +89,14 @@ from typing import Any
 
 import torch
 
-from training.algorithms.advantages import AdvantageConfig, TokenPolicy, compute_advantage
+from training.algorithms.advantages import (
+    AdvantageConfig,
+    TokenPolicy,
+    compute_advantage,
+    turn_level_grpo_advantage,
+)
 from training.algorithms.diagnostics import compute_mismatch_metrics, variance_proxy_metrics
+from training.algorithms.guards import LengthSurgeGuard, vcpo_lr_scale
 from training.algorithms.is_correction import (
     CompISConfig,
     EWMAConfig,
@@ -90,6 +106,7 @@ from training.algorithms.is_correction import (
     compute_compis_weights,
     compute_is_correction,
     ewma_update,
+    linear_proximal_log_prob,
     loglinear_proximal_log_prob,
 )
 from training.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
@@ -157,7 +174,8 @@ class StepResult:
         ``rollout_log_prob`` (μ), ``current_log_prob``, ``proximal_log_prob``, ``old_log_prob``,
         ``token_versions``, ``response_mask`` (loss mask), ``keep_mask`` (trained tokens),
         ``token_level_rewards``, ``advantages``, ``entropy``, and when they exist
-        ``is_weights``, ``ref_log_prob``, ``loglinear_alpha``, ``snapshot_fallback_mask``.
+        ``is_weights``, ``ref_log_prob``, ``loglinear_alpha`` (loglinear and linear_prox),
+        ``snapshot_fallback_mask``, ``dedicated_fallback_mask``.
     """
 
     trained: bool
@@ -166,6 +184,8 @@ class StepResult:
     weight_version: int
     debug: dict[str, torch.Tensor] | None = None
     time_s: float = 0.0
+    events: tuple[str, ...] = ()
+    """Lines for the run's log: what a reactive guard did this step (an LR halving)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +199,7 @@ class _Packed:
     rewards: torch.Tensor  # (B,) float
     group_index: list[int]  # (B,) group ids
     minibatch_rows: list[slice]  # consecutive rows of each mini-batch
+    turns: torch.Tensor | None = None  # (B, T) long turn of each token; None: single-turn batch
 
 
 @dataclass
@@ -250,18 +271,22 @@ def _correction_preset(recipe: Recipe) -> RolloutCorrectionConfig | None:
 def step_config(recipe: Recipe) -> StepConfig:
     """The engine :class:`StepConfig` of every ``train_step`` of a run: the recipe's loss (a
     bypass rollout-correction preset switches it to ``bypass_mode`` with the preset's IS/RS
-    settings), the train routing of ``algorithm.routing_replay``, ``rollout.temperature``,
-    ``optim.micro_batch_size`` and the loss's ``entropy_coeff``."""
+    settings), the train routing of ``Recipe.routing_replay`` (``auto`` resolved),
+    ``rollout.temperature``, ``optim.micro_batch_size``, the loss's ``entropy_coeff`` and, with
+    ``algorithm.kl.mode: in_loss``, the KL loss term (estimator, β, IS correction)."""
     alg = recipe.algorithm
     preset = _correction_preset(recipe)
     loss_name, loss_cfg = alg.loss.name, policy_loss_config(recipe)
     if preset is not None and preset.bypass_mode:  # bypass_mode computes IS/RS between π_θ and μ
         loss_name, loss_cfg = "bypass_mode", policy_loss_config(recipe, preset)
     return StepConfig(loss_name=loss_name, loss_config=loss_cfg,
-                      routing={"r3": "r3", "r2": "r2"}.get(alg.routing_replay, "free"),
+                      routing={"r3": "r3", "r2": "r2"}.get(recipe.routing_replay, "free"),
                       temperature=recipe.rollout.temperature,
                       micro_batch_size=recipe.optim.micro_batch_size,
-                      entropy_coeff=alg.loss.entropy_coeff)
+                      entropy_coeff=alg.loss.entropy_coeff,
+                      kl_estimator=alg.kl.estimator if alg.kl.mode == "in_loss" else None,
+                      kl_coef=alg.kl.coef if alg.kl.mode == "in_loss" else 0.0,
+                      kl_is_correction=alg.kl.is_correction)
 
 
 def repetition_rate(responses: Sequence[Sequence[int]], n: int = REPETITION_NGRAM) -> float:
@@ -322,6 +347,63 @@ def _nonfinite_reason(named: Mapping[str, torch.Tensor], mask: torch.Tensor,
     return None
 
 
+def _turn_tensor(samples: Sequence[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
+    """(B, T) turn of every response token (padding: the row's last turn), or None when no
+    sample is a multi-turn trajectory."""
+    if not any(s.turn_ids for s in samples):
+        return None
+    turns = torch.zeros(shape, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if s.turn_ids:
+            turns[i, :] = s.turn_ids[-1]
+            turns[i, :len(s.turn_ids)] = torch.tensor(s.turn_ids, dtype=torch.long)
+    return turns
+
+
+def tool_split_masks(turns: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Seed 004 source 5's split of the loss tokens: ``pre_tool`` (turn 0, before any tool
+    observation) and ``post_tool`` (every later turn: conditioned on a tool's output)."""
+    mask = mask.bool()
+    return {"pre_tool": mask & (turns == 0), "post_tool": mask & (turns > 0)}
+
+
+def per_turn_rows(turns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level ratio isolation: one row per (sequence, turn with loss tokens) — ``rows`` (R,)
+    the sequence of each, ``masks`` (R, T) its turn's loss tokens — so a sequence-level IS
+    statistic computed on the rows is a per-turn one. A sequence without loss tokens keeps one
+    empty row."""
+    mask = mask.bool()
+    rows: list[int] = []
+    masks: list[torch.Tensor] = []
+    for b in range(mask.shape[0]):
+        present = torch.unique(turns[b][mask[b]]).tolist()
+        for t in present or [None]:
+            rows.append(b)
+            masks.append(mask[b] & (turns[b] == t) if t is not None else mask[b])
+    return torch.tensor(rows, dtype=torch.long), torch.stack(masks)
+
+
+def apply_correction_per_turn(correction: CorrectionSpec,
+                              preset: RolloutCorrectionConfig | None, proximal: torch.Tensor,
+                              old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
+                              turns: torch.Tensor) -> AppliedCorrection:
+    """:func:`apply_correction` with every turn of a trajectory as its own sequence
+    (``algorithm.turns.is_ratio: turn``): sequence-level weights, vetoes and aggregates are
+    formed per turn and put back on that turn's tokens; token-level ones are unchanged. The
+    metrics count turns as sequences."""
+    rows, masks = per_turn_rows(turns, mask)
+    res = apply_correction(correction, preset, proximal[rows], old[rows], mu[rows], masks)
+    keep = torch.zeros(mask.shape, dtype=torch.long)
+    keep.index_add_(0, rows, (res.keep & masks).long())
+    weights = None
+    if res.weights is not None:
+        weights = torch.ones(mask.shape, dtype=res.weights.dtype)
+        placed = torch.zeros(mask.shape, dtype=res.weights.dtype)
+        placed.index_add_(0, rows, torch.where(masks, res.weights, torch.zeros_like(res.weights)))
+        weights = torch.where(mask.bool(), placed, weights)
+    return AppliedCorrection(weights, keep > 0, res.metrics, res.engine_rejects)
+
+
 def _minibatch_groups(n_groups: int, n_minibatches: int) -> list[range]:
     """Consecutive group ranges; the last mini-batch takes the remainder."""
     if n_groups < n_minibatches:
@@ -361,22 +443,25 @@ def proximal_and_old(strategy: str, correction_kind: str, current: torch.Tensor,
     """(π_prox, π_old) of an old-log-prob strategy and a correction kind (module docstring).
 
     Args:
-        strategy: ``recompute``, ``snapshot``, ``ewma``, ``loglinear`` or ``bypass``.
+        strategy: ``recompute``, ``snapshot``, ``dedicated``, ``ewma``, ``loglinear``,
+            ``linear_prox`` or ``bypass``.
         correction_kind: ``algorithm.correction.kind``; ``decoupled_mis`` centres the PPO clip at
             π_old (seed 003 Eq. 4), every other kind keeps the strategy's π_prox.
         current: (B, T) π_current. mu: (B, T) rollout log-probs.
-        reference: (B, T) the strategy's own policy: the exact per-token π_old (snapshot), the
-            EWMA reference (ewma), the A-3PO interpolation (loglinear); unused otherwise.
+        reference: (B, T) the strategy's own policy: the exact per-token π_old (snapshot,
+            dedicated), the EWMA reference (ewma), the interpolated proximal policy (loglinear,
+            linear_prox); unused otherwise.
     """
-    if strategy in ("snapshot", "ewma", "loglinear") and reference is None:
+    if strategy in ("snapshot", "dedicated", "ewma", "loglinear", "linear_prox") \
+            and reference is None:
         raise ValueError(f"old_logprob {strategy} needs its reference log-probs")
     if strategy == "recompute":
         prox, old = current, current
-    elif strategy == "snapshot":
+    elif strategy in ("snapshot", "dedicated"):
         prox, old = current, reference
     elif strategy == "ewma":  # seed 003 §5.2: the EWMA replaces π_old for both ratios
         prox, old = reference, reference
-    elif strategy == "loglinear":
+    elif strategy in ("loglinear", "linear_prox"):
         prox, old = reference, mu
     elif strategy == "bypass":
         prox, old = mu, mu
@@ -507,6 +592,9 @@ class Learner:
         self._preset = _correction_preset(recipe)
         self.bypass_preset = self._preset is not None and self._preset.bypass_mode
         self.old_strategy = "bypass" if self.bypass_preset else alg.old_logprob
+        self._dedicated: TrainEngine | None = None
+        if self.old_strategy == "dedicated":
+            self._dedicated = self._load_dedicated(recipe)
         if alg.loss.name == "bypass_mode" and not self.bypass_preset:
             raise ValueError("algorithm.loss.name=bypass_mode takes its IS/RS settings from a "
                              "bypass rollout-correction preset: set algorithm.correction to "
@@ -517,7 +605,11 @@ class Learner:
         if alg.kl.mode == "in_reward":
             self._kl_ctrl = (FixedKLController(alg.kl.coef) if alg.kl.target is None else
                              AdaptiveKLController(alg.kl.coef, alg.kl.target, alg.kl.horizon))
+        if alg.kl.mode in ("in_reward", "in_loss"):
             self._reference = self._load_reference(recipe, reference_dir)
+        surge = recipe.optim.length_surge_guard
+        self.length_guard = None if surge is None else LengthSurgeGuard(
+            surge.ratio, surge.window_steps, surge.factor, surge.max_halvings)
         self.ewma_config: EWMAConfig | None = None
         self.ewma_state: EWMAState | None = None
         self.ewma_resets = 0
@@ -533,6 +625,30 @@ class Learner:
         from training.engines.factory import make_reference_engine
 
         return make_reference_engine(recipe, reference_dir)
+
+    def _load_dedicated(self, recipe: Recipe) -> TrainEngine:
+        """The dedicated old-logit model (seed 003 §5.1): a second frozen engine on the
+        trainer's backend and dtype, at the trainer's current weights and version
+        (:func:`training.engines.factory.make_old_logit_engine`)."""
+        from training.engines.factory import make_old_logit_engine
+
+        return make_old_logit_engine(recipe, self.engine)
+
+    def weights_synced(self, version: int, referenced: Sequence[int]) -> None:
+        """The trainer's current weights went to the rollout engines as ``version``: the
+        dedicated old-logit model loads them and forgets the held versions that no buffered
+        sample can carry any more (``referenced``: the synced versions still referenced). No-op
+        for the other strategies."""
+        if self._dedicated is None:
+            return
+        assert self.engine.weight_version == version, (
+            f"synced version {version} is not the trainer's current {self.engine.weight_version}")
+        if version > self._dedicated.weight_version:
+            self._dedicated.load_version(self._engine_params(), version)  # type: ignore
+        keep = set(referenced) | {version}
+        drop = [v for v in self._dedicated.snapshot_versions() if v not in keep]
+        if drop:
+            self._dedicated.drop_snapshots(drop)  # type: ignore[attr-defined]
 
     def _init_ewma(self) -> None:
         # the reference lives here (engines exposing their parameters: the embedded trainer) or
@@ -559,7 +675,7 @@ class Learner:
     # --- routing ----------------------------------------------------------------------------------
     @property
     def _replay(self) -> str:
-        return self.recipe.algorithm.routing_replay
+        return self.recipe.routing_replay
 
     @property
     def _forward_routing(self) -> str:
@@ -632,13 +748,20 @@ class Learner:
         # correction's IS weights; the other estimators ignore them
         policy = (None if self._sum_pi_squared is None else
                   TokenPolicy(policies.current, self._sum_pi_squared, applied.weights))
-        advantages, _, adv_metrics = compute_advantage(
-            est.estimator, rewards, mask, index=packed.group_index,
-            config=AdvantageConfig(norm_adv_by_std_in_grpo=est.norm_by_std, gamma=est.gamma,
-                                   lam=est.lam), policy=policy)
+        adv_config = AdvantageConfig(norm_adv_by_std_in_grpo=est.norm_by_std, gamma=est.gamma,
+                                     lam=est.lam)
+        if self.recipe.algorithm.turns.advantage == "turn" and packed.turns is not None:
+            advantages, _, adv_metrics = turn_level_grpo_advantage(
+                rewards, mask, packed.turns, packed.group_index, adv_config)
+        else:
+            advantages, _, adv_metrics = compute_advantage(
+                est.estimator, rewards, mask, index=packed.group_index, config=adv_config,
+                policy=policy)
         correction = self._correct(packed, policies, applied, advantages)
+        lr_scale, guard_metrics, events = self._guards(packed, policies, correction, step)
+        metrics.update(guard_metrics)
         train_metrics = self._train(packed, policies.proximal, advantages, correction,
-                                    start_version)
+                                    start_version, ref=ref, lr_scale=lr_scale)
         trained = train_metrics.get("train/skipped_step", 0.0) < 1.0
         if self.ewma_state is not None and trained:
             metrics.update(self._update_ewma(correction.metrics))
@@ -654,6 +777,8 @@ class Learner:
         metrics.update(self._proxy_metrics(packed, policies, advantages, correction,
                                            train_metrics))
         metrics.update(self._rollout_metrics(packed))
+        if packed.turns is not None:
+            metrics.update(self._tool_metrics(packed, policies, applied))
         if version_to_step is not None:
             metrics.update(self._lag_metrics(packed, step, version_to_step))
         metrics["step/weight_version"] = float(self.engine.weight_version)
@@ -662,8 +787,9 @@ class Learner:
             reason = (f"step {step}: every optimizer step was skipped (non-finite loss or "
                       "gradient norm); the weights are unchanged")
             log.warning(reason)
-            return StepResult(False, reason, metrics, self.engine.weight_version, debug)
-        return StepResult(True, None, metrics, self.engine.weight_version, debug)
+            return StepResult(False, reason, metrics, self.engine.weight_version, debug,
+                              events=events)
+        return StepResult(True, None, metrics, self.engine.weight_version, debug, events=events)
 
     def _reject(self, reason: str, samples: Sequence[Sample], step: int) -> StepResult:
         log.warning("step %d: batch rejected, nothing trained: %s", step, reason)
@@ -697,7 +823,8 @@ class Learner:
                        rollout_log_prob=sanitize(mu, batch.response_mask),
                        token_versions=versions,
                        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                       group_index=[s.group_id for s in samples], minibatch_rows=rows)
+                       group_index=[s.group_id for s in samples], minibatch_rows=rows,
+                       turns=_turn_tensor(samples, shape))
 
     # --- π_current, π_prox, π_old ---------------------------------------------------------------
     def _policies(self, packed: _Packed) -> _Policies:
@@ -713,9 +840,9 @@ class Learner:
         reference: torch.Tensor | None = None
         extra: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
-        if strategy == "loglinear":
-            # A-3PO interpolates in policy versions = trainer steps (one step may hold several
-            # optimizer steps): map weight versions to steps when the caller told us how
+        if strategy in ("loglinear", "linear_prox"):
+            # A-3PO / AReaL interpolate in policy versions = trainer steps (one step may hold
+            # several optimizer steps): map weight versions to steps when the caller told us how
             v2s = self._version_to_step
             if v2s is not None:
                 behav = packed.token_versions.clone()
@@ -724,14 +851,18 @@ class Learner:
                 cur_v = self._current_step
             else:
                 behav, cur_v = packed.token_versions, self.engine.weight_version
-            reference, alpha = loglinear_proximal_log_prob(
-                mu, current, behav, cur_v, packed.batch.response_mask)
+            interpolate = (loglinear_proximal_log_prob if strategy == "loglinear"
+                           else linear_proximal_log_prob)
+            reference, alpha = interpolate(mu, current, behav, cur_v, packed.batch.response_mask)
             metrics = {"old/loglinear_alpha_mean":
                        float(masked_mean(alpha, packed.batch.response_mask))}
             extra = {"loglinear_alpha": alpha}
         elif strategy == "snapshot":
             reference, fallback, metrics = self._snapshot_old(packed, current)
             extra = {"snapshot_fallback_mask": fallback}
+        elif strategy == "dedicated":
+            reference, fallback, metrics = self._dedicated_old(packed, current)
+            extra = {"dedicated_fallback_mask": fallback}
         elif strategy == "ewma":
             reference = self._ewma_old(packed)
         prox, old = proximal_and_old(strategy, self.recipe.algorithm.correction.kind, current,
@@ -754,22 +885,11 @@ class Learner:
         missing = stale & ~torch.isin(versions, retained)
         ask = stale & ~missing
         old = current.clone()
-        if bool(ask.any()):
-            rows = ask.any(dim=1).nonzero().reshape(-1)
-            # tokens not asked for get an asked version: their values are discarded
-            filler = int(versions[ask][0])
-            sub_versions = torch.where(ask[rows], versions[rows], torch.full_like(versions[rows],
-                                                                                 filler))
-            try:
-                res = self.engine.compute_log_probs(
-                    packed.batch.select(rows), routing=self._forward_routing,
-                    version=sub_versions, temperature=self.recipe.rollout.temperature,
-                    with_entropy=False)
-                old[rows] = torch.where(ask[rows], res.log_probs, old[rows])
-            except SnapshotUnavailableError as e:
-                log.warning("snapshot old log-probs unavailable (%s); using the current weights",
-                            e)
-                missing = stale
+        try:
+            old = self._log_probs_at_versions(self.engine, packed, ask, current)
+        except SnapshotUnavailableError as e:
+            log.warning("snapshot old log-probs unavailable (%s); using the current weights", e)
+            missing = stale
         n_missing = int(missing.sum())
         frac = n_missing / max(int(mask.sum()), 1)
         if n_missing:
@@ -778,6 +898,59 @@ class Learner:
                         "loss tokens (%.1f%%) fall back to the current weights (raise "
                         "engines.snapshot_budget_mb)", gone, n_missing, 100 * frac)
         return old, missing, {"old/snapshot_fallback_frac": frac}
+
+    def _log_probs_at_versions(self, engine: TrainEngine, packed: _Packed, ask: torch.Tensor,
+                               current: torch.Tensor) -> torch.Tensor:
+        """(B, T) ``current`` with the ``ask`` tokens replaced by ``engine``'s log-probs under
+        each token's own version (one forward per distinct version over the rows asking)."""
+        old = current.clone()
+        if not bool(ask.any()):
+            return old
+        versions = packed.token_versions
+        rows = ask.any(dim=1).nonzero().reshape(-1)
+        # tokens not asked for get an asked version: their values are discarded
+        filler = int(versions[ask][0])
+        sub_versions = torch.where(ask[rows], versions[rows],
+                                   torch.full_like(versions[rows], filler))
+        res = engine.compute_log_probs(
+            packed.batch.select(rows), routing=self._forward_routing, version=sub_versions,
+            temperature=self.recipe.rollout.temperature, with_entropy=False)
+        old[rows] = torch.where(ask[rows], res.log_probs, old[rows])
+        return old
+
+    def _dedicated_old(self, packed: _Packed, current: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Exact π_old from the dedicated old-logit model (seed 003 §5.1): each loss token under
+        the synced version that produced it, computed by the model copy that holds it. Tokens of
+        a version it no longer holds (a staleness beyond ``algorithm.dedicated_versions`` synced
+        versions, or from before a resume) fall back to π_current, as snapshot's do.
+
+        Runs in the trainer's process before the update (no overlap with training on the
+        embedded backend). Returns (π_old (B, T), fallback mask (B, T), metrics
+        ``old/dedicated_fallback_frac`` (fallback tokens / loss tokens),
+        ``old/dedicated_versions`` (versions held), ``old/dedicated_bytes`` (bytes of every
+        parameter copy the model holds) and ``old/dedicated_s`` (seconds of its forwards)).
+        """
+        assert self._dedicated is not None
+        t0 = time.perf_counter()
+        mask = packed.batch.response_mask
+        versions = packed.token_versions
+        held = [*self._dedicated.snapshot_versions(), self._dedicated.weight_version]
+        ask = mask & torch.isin(versions, torch.tensor(held, dtype=torch.long))
+        missing = mask & ~ask
+        old = self._log_probs_at_versions(self._dedicated, packed, ask, current)
+        n_missing = int(missing.sum())
+        frac = n_missing / max(int(mask.sum()), 1)
+        if n_missing:
+            gone = sorted(set(versions[missing].tolist()))
+            log.warning("old_logprob dedicated: versions %s are not held by the old-logit model "
+                        "(it holds %s); %d loss tokens (%.1f%%) fall back to the current weights "
+                        "(raise algorithm.dedicated_versions)", gone, held, n_missing, 100 * frac)
+        return old, missing, {
+            "old/dedicated_fallback_frac": frac,
+            "old/dedicated_versions": float(len(held)),
+            "old/dedicated_bytes": float(self._dedicated.parameter_bytes()),  # type: ignore
+            "old/dedicated_s": time.perf_counter() - t0}
 
     def _ewma_step(self, state: EWMAState | None, mask_frac: float | None) -> EWMAState:
         """One EWMA update (the first initialises); counts resets."""
@@ -850,6 +1023,10 @@ class Learner:
     # --- correction -----------------------------------------------------------------------------
     def _apply_correction(self, packed: _Packed, p: _Policies) -> AppliedCorrection:
         """IS weights and kept tokens of ``algorithm.correction`` (:func:`apply_correction`)."""
+        if self.recipe.algorithm.turns.is_ratio == "turn" and packed.turns is not None:
+            return apply_correction_per_turn(
+                self.recipe.algorithm.correction, self._preset, p.proximal, p.old,
+                packed.rollout_log_prob, packed.batch.response_mask, packed.turns)
         return apply_correction(self.recipe.algorithm.correction, self._preset, p.proximal,
                                 p.old, packed.rollout_log_prob, packed.batch.response_mask)
 
@@ -887,8 +1064,11 @@ class Learner:
 
     # --- training -------------------------------------------------------------------------------
     def _train(self, packed: _Packed, proximal: torch.Tensor, advantages: torch.Tensor,
-               corr: _Correction, start_version: int) -> dict[str, float]:
-        """epochs × mini-batches optimizer steps; per-step metrics combined."""
+               corr: _Correction, start_version: int, *, ref: torch.Tensor | None = None,
+               lr_scale: float = 1.0) -> dict[str, float]:
+        """epochs × mini-batches optimizer steps; per-step metrics combined. ``ref``: π_ref for
+        the KL loss term (``kl.mode: in_loss``); ``lr_scale``: the guards' LR factor."""
+        with_ref = self.step_config.kl_estimator is not None
         batch = dataclasses.replace(packed.batch, response_mask=corr.keep)
         optim = self.recipe.optim
         steps: list[dict[str, float]] = []
@@ -898,8 +1078,56 @@ class Learner:
                     batch.select(rows), advantages[rows], proximal[rows],
                     rollout_is_weights=None if corr.weights is None else corr.weights[rows],
                     r2_version=start_version if self._replay == "r2" else None,
-                    config=self.step_config))
+                    config=self.step_config,
+                    **({"ref_log_prob": ref[rows]} if with_ref and ref is not None else {}),
+                    **({"lr_scale": lr_scale} if lr_scale != 1.0 else {})))
         return self._policy_metrics(steps)
+
+    # --- reactive LR guards --------------------------------------------------------------------
+    def _guards(self, packed: _Packed, p: _Policies, corr: _Correction, step: int
+                ) -> tuple[float, dict[str, float], tuple[str, ...]]:
+        """The LR factor of this step's optimizer steps from ``optim.vcpo`` and
+        ``optim.length_surge_guard`` (:mod:`training.algorithms.guards`), their ``guard/*``
+        metrics and the log lines of what they did (a halving)."""
+        optim = self.recipe.optim
+        scale, metrics, events = 1.0, {}, []
+        if optim.vcpo is not None:
+            # the weights the correction applies (rejected tokens count as 0, as in
+            # is/combined/ess), else the behaviour ratio π_current/μ the loss's data carries
+            mask = packed.batch.response_mask
+            w = corr.weights if corr.weights is not None else torch.exp(
+                (p.current - packed.rollout_log_prob).clamp(-20.0, 20.0))
+            w = torch.where(corr.keep & mask, w, torch.zeros_like(w))
+            vcpo, ess = vcpo_lr_scale(w, mask, optim.vcpo.min_scale)
+            scale *= vcpo
+            metrics.update({"guard/vcpo_lr_scale": vcpo, "guard/vcpo_ess": ess})
+        if self.length_guard is not None:
+            g = self.length_guard
+            lengths = [s.response_len for s in packed.samples]
+            halving = g.observe(step, sum(lengths) / max(len(lengths), 1))
+            if halving is not None:
+                events.append(halving.message(g.lr_scale))
+                log.warning(events[-1])
+            scale *= g.lr_scale
+            metrics.update({"guard/lr_halvings": float(g.halvings),
+                            "guard/length_surge_lr_scale": g.lr_scale,
+                            "guard/lr_halved": 0.0 if halving is None else 1.0})
+            if g.last_ratio is not None:
+                metrics["guard/length_surge_ratio"] = g.last_ratio
+        if metrics:
+            metrics["guard/lr_scale"] = scale
+        return scale, metrics, tuple(events)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The learner's own state a checkpoint must keep (JSON-able): the length-surge
+        guard's halvings and length window."""
+        return {} if self.length_guard is None else {
+            "length_surge_guard": self.length_guard.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (keys of a guard the recipe does not use are ignored)."""
+        if self.length_guard is not None and "length_surge_guard" in state:
+            self.length_guard.load_state_dict(state["length_surge_guard"])
 
     @staticmethod
     def _policy_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -939,7 +1167,12 @@ class Learner:
         m = compute_mismatch_metrics(p.current, mu, mask, p.entropy,
                                      prefix="mismatch/train_rollout/")
         m.update(compute_mismatch_metrics(p.old, mu, mask, prefix="mismatch/engine/"))
-        m["mismatch/engine/exact"] = self._old_is_exact(packed, p, start_version)
+        exact = self._old_exact_mask(packed, p, start_version)
+        n_loss = int(mask.sum())
+        m["old/exact_frac"] = (0.0 if exact is None else
+                               int((exact & mask).sum()) / n_loss if n_loss else 1.0)
+        m["mismatch/engine/exact"] = (
+            0.0 if exact is None or bool((mask & ~exact).any()) else 1.0)
         m.update(compute_is_correction(p.current, p.old, mask, stale,
                                        prefix="is/staleness/").metrics)
         m.update(compute_is_correction(p.old, mu, mask, engine, prefix="is/engine/").metrics)
@@ -947,6 +1180,52 @@ class Learner:
         m.update(tail_stats(m2, mask, prefix="rs/m2po/m2/"))
         m["rs/m2po/m2_mean"] = float(masked_mean(m2, mask))
         return m
+
+    def _tool_metrics(self, packed: _Packed, p: _Policies, applied: AppliedCorrection
+                      ) -> dict[str, float]:
+        """Seed 004 source 5: every mismatch and IS family of :meth:`_diagnostics` and the
+        applied correction's ``is/combined/*`` again on the pre-tool and on the post-tool loss
+        tokens (``tool/pre_tool/...``, ``tool/post_tool/...``; post-tool tokens are expected to
+        show larger ratios and more clipping), their token counts, and the batch's tool use
+        (``tool/calls_per_sample``, ``tool/error_rate``, ``tool/timeout_rate``,
+        ``tool/turns_mean``)."""
+        assert packed.turns is not None
+        mask = packed.batch.response_mask
+        mu = packed.rollout_log_prob
+        corr = self.recipe.algorithm.correction
+        stale = self._source_method(corr, "staleness", ("compis",))
+        engine = self._source_method(corr, "engine", ("compis", "decoupled_mis"))
+        loss = self.recipe.algorithm.loss
+        low = loss.clip_ratio_low if loss.clip_ratio_low is not None else loss.clip_ratio
+        high = loss.clip_ratio_high if loss.clip_ratio_high is not None else loss.clip_ratio
+        out: dict[str, float] = {}
+        for name, part in tool_split_masks(packed.turns, mask).items():
+            pre = f"tool/{name}/"
+            out[pre + "tokens"] = float(part.sum())
+            if not bool(part.any()):
+                continue
+            out.update(compute_mismatch_metrics(p.current, mu, part, p.entropy,
+                                                prefix=pre + "mismatch/train_rollout/"))
+            out.update(compute_mismatch_metrics(p.old, mu, part, prefix=pre + "mismatch/engine/"))
+            out.update(compute_is_correction(p.current, p.old, part, stale,
+                                             prefix=pre + "is/staleness/").metrics)
+            out.update(compute_is_correction(p.old, mu, part, engine,
+                                             prefix=pre + "is/engine/").metrics)
+            if applied.weights is not None or applied.metrics:
+                out.update(applied_weight_metrics(applied.weights, applied.keep & part, part,
+                                                  prefix=pre + "is/combined/"))
+            # the PPO clip band around μ: how much of each part a clip at the rollout policy
+            # would cut (seed 004: more on post-tool tokens)
+            ratio = torch.exp((p.current - mu).clamp(-20, 20))
+            outside = (ratio < 1 - low) | (ratio > 1 + high)
+            out[pre + "clip_frac_vs_rollout"] = float((outside & part).sum()) / float(part.sum())
+        samples = packed.samples
+        calls = sum(s.tool_calls for s in samples)
+        out["tool/calls_per_sample"] = calls / max(len(samples), 1)
+        out["tool/error_rate"] = sum(s.tool_errors for s in samples) / max(calls, 1)
+        out["tool/timeout_rate"] = sum(s.tool_timeouts for s in samples) / max(calls, 1)
+        out["tool/turns_mean"] = sum(s.turns for s in samples) / max(len(samples), 1)
+        return out
 
     @staticmethod
     def _source_method(correction: CorrectionSpec, source: str, kinds: tuple[str, ...]
@@ -957,18 +1236,24 @@ class Learner:
             return SourceCorrection("none")
         return SourceCorrection(spec.method, spec.lower, spec.upper)
 
-    def _old_is_exact(self, packed: _Packed, p: _Policies, start_version: int) -> float:
-        """1.0 when π_old is the trainer at the behaviour version on every loss token: snapshot
-        without fallback, or recompute when every loss token is of the step's start version
-        (sync); ewma (an average, not a version), loglinear and bypass (π_old = μ) never are."""
-        mask = packed.batch.response_mask
-        if self.old_strategy == "snapshot":
-            fallback = p.extra.get("snapshot_fallback_mask")
+    def _old_exact_mask(self, packed: _Packed, p: _Policies, start_version: int
+                        ) -> torch.Tensor | None:
+        """(B, T) tokens whose π_old is the trainer at their own behaviour version, or None when
+        the strategy never gives it (the recipe says which: :attr:`AlgorithmConfig.old_is_exact`
+        — snapshot and dedicated, except their fallback tokens; :attr:`~AlgorithmConfig.
+        old_is_current` — recompute, on tokens of the step's start version; ewma is an average,
+        not a version, and loglinear, linear_prox and bypass have π_old = μ).
+
+        ``old/exact_frac`` is its share of the loss tokens; ``mismatch/engine/exact`` is 1.0
+        when it covers every loss token."""
+        alg = self.recipe.algorithm
+        if alg.old_is_exact:
+            fallback = p.extra.get(f"{self.old_strategy}_fallback_mask")
             if fallback is not None:
-                return 0.0 if bool((fallback & mask).any()) else 1.0
-        if self.old_strategy in ("snapshot", "recompute"):
-            return 0.0 if bool((mask & (packed.token_versions != start_version)).any()) else 1.0
-        return 0.0
+                return ~fallback
+        if alg.old_is_exact or alg.old_is_current:
+            return packed.token_versions == start_version
+        return None
 
     def _proxy_metrics(self, packed: _Packed, p: _Policies, advantages: torch.Tensor,
                        corr: _Correction, train_metrics: Mapping[str, float]

@@ -100,7 +100,7 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
             raise RunError(f"model.moe_experts is {declared} but model.path {path} has "
                            f"{cfg.num_experts} experts (config.json num_experts); set "
                            f"moe_experts: {cfg.num_experts} or leave it out")
-        if recipe.algorithm.routing_replay != "none" and not cfg.is_moe:
+        if recipe.algorithm.routing_replay not in ("none", "auto") and not cfg.is_moe:
             raise RunError(f"algorithm.routing_replay={recipe.algorithm.routing_replay} needs an "
                            f"MoE model and model.path {path} is dense; set routing_replay: none")
         return path
@@ -157,7 +157,7 @@ def check_rollout_backend(recipe: Recipe) -> None:
     from training.engines.sglang.launch import BackendUnavailable, require_router, require_sglang
 
     s = e.sglang
-    if s.router == "sglang-router" and recipe.algorithm.routing_replay == "r3":
+    if s.router == "sglang-router" and recipe.routing_replay == "r3":
         raise RunError("engines.sglang.router: sglang-router drops return_routed_experts, so "
                        "algorithm.routing_replay r3 cannot work through it; use router: asyncrl")
     try:
@@ -443,6 +443,8 @@ class Runtime:
         t1 = time.monotonic()
         res = ray.get(self.trainer.step.remote(groups, self.step, self.step_start_versions))
         t2 = time.monotonic()
+        for line in res.events:  # what a reactive guard did (an LR halving), for the run log
+            log.warning("%s", line)
         metrics: dict[str, float] = dict(res.metrics)
         c = self.counters
         c["wait_time_s"] += t1 - t0
@@ -492,8 +494,10 @@ class Runtime:
         k = self.recipe.async_.sync_interval
         if (self.step + 1) % k == 0 or self.step + 1 == self.total_steps:
             metrics.update(self._sync(ray, version, self.step + 1))
+            referenced = self.weights.referenced_versions(self.step_start_versions)
             metrics["async/retained_versions"] = float(ray.get(self.trainer.keep_snapshots.remote(
-                self.weights.referenced_versions(self.step_start_versions), version)))
+                referenced, version)))
+            ray.get(self.trainer.weights_synced.remote(version, referenced))
         t3 = time.monotonic()
         every = self.recipe.eval.every
         last = self.step + 1 == self.total_steps

@@ -19,6 +19,7 @@ from training.algorithms.is_correction import (
     effective_sample_size,
     ewma_decay_from_staleness,
     ewma_update,
+    linear_proximal_log_prob,
     loglinear_proximal_log_prob,
 )
 from training.algorithms.policy_loss import PolicyLossConfig
@@ -198,6 +199,41 @@ def test_loglinear_proximal_interpolation():
     # v_prox = 9: α = (9-6)/(10-6) = 0.75; (9-9)/(10-9) = 0; v_b = v_θ → 0
     assert_close(alpha, torch.tensor([[0.75, 0.0, 0.0]], dtype=torch.float64))
     assert_close(prox, torch.tensor([[-2.0 + 0.75, -2.0, -2.0]], dtype=torch.float64))
+
+
+def test_linear_prox_interpolates_probabilities_with_the_loglinear_alpha():
+    # μ = 0.2, π_θ = 0.6 on every token; versions give α = 0.75, 0 (v_b = v_prox), 0 (v_b = v_θ)
+    # and 1 (v_prox given explicitly as v_θ); the last token is masked
+    behav = torch.full((1, 5), LN(0.2), dtype=torch.float64)
+    cur = torch.full((1, 5), LN(0.6), dtype=torch.float64)
+    versions = torch.tensor([[6, 9, 10, 6, 6]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    prox, alpha = linear_proximal_log_prob(behav, cur, versions, 10, mask)
+    _, log_alpha = loglinear_proximal_log_prob(behav, cur, versions, 10, mask)
+    assert_close(alpha, torch.tensor([[0.75, 0.0, 0.0, 0.75, 0.0]], dtype=torch.float64))
+    assert_close(alpha, log_alpha)  # the same α: only the space differs
+    # 0.25·0.2 + 0.75·0.6 = 0.5 ; α = 0 → μ ; masked → 0
+    assert_close(prox, torch.tensor([[LN(0.5), LN(0.2), LN(0.2), LN(0.5), 0.0]],
+                                    dtype=torch.float64))
+    full, one = linear_proximal_log_prob(behav, cur, versions, 10, mask, proximal_version=10)
+    assert_close(one[0, :4], torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64))
+    assert_close(full[0, :4], torch.tensor([LN(0.6), LN(0.6), LN(0.2), LN(0.6)],
+                                           dtype=torch.float64))
+
+
+def test_linear_prox_is_stable_for_tiny_probabilities_and_above_loglinear():
+    # exp(−800) underflows in float64: the probability-space sum must stay finite
+    behav = torch.tensor([[-800.0, -1.0]], dtype=torch.float64)
+    cur = torch.tensor([[-801.0, -3.0]], dtype=torch.float64)
+    versions = torch.tensor([[0, 0]])
+    prox, alpha = linear_proximal_log_prob(behav, cur, versions, 2, torch.ones(1, 2))
+    assert_close(alpha, torch.full((1, 2), 0.5, dtype=torch.float64))
+    # log(½e^−800 + ½e^−801) = −800 + log((1 + e^−1)/2)
+    expected0 = -800.0 + LN((1 + math.exp(-1.0)) / 2)
+    expected1 = LN(0.5 * math.exp(-1.0) + 0.5 * math.exp(-3.0))
+    assert_close(prox, torch.tensor([[expected0, expected1]], dtype=torch.float64))
+    loglin, _ = loglinear_proximal_log_prob(behav, cur, versions, 2, torch.ones(1, 2))
+    assert bool((prox >= loglin).all())  # AM–GM: the arithmetic mean is above the geometric
 
 
 def test_ewma_decay_and_update():

@@ -39,8 +39,10 @@ NAMED = {"current": CURRENT, "reference": REFERENCE, "mu": MU}
 POLICIES = {
     "recompute": ("current", "current"),
     "snapshot": ("current", "reference"),
+    "dedicated": ("current", "reference"),
     "ewma": ("reference", "reference"),
     "loglinear": ("reference", "mu"),
+    "linear_prox": ("reference", "mu"),
     "bypass": ("mu", "mu"),
 }
 
@@ -56,7 +58,8 @@ KINDS = {
 }
 
 REFUSED = {("bypass", "compis"), ("bypass", "preset"), ("bypass", "decoupled"),
-           ("bypass", "decoupled_mis"), ("loglinear", "decoupled_mis")}
+           ("bypass", "decoupled_mis"), ("loglinear", "decoupled_mis"),
+           ("linear_prox", "decoupled_mis")}
 
 
 def _expected(kind: str, prox: torch.Tensor, old: torch.Tensor):

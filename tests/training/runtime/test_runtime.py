@@ -100,6 +100,26 @@ def test_one_step_staleness_at_most_one(ray_session, tmp_path):
     check_counts(rows)
 
 
+def test_dedicated_old_logit_model_follows_the_synced_versions(ray_session, tmp_path):
+    """old_logprob: dedicated end to end (seed 003 §5.1): one_step batches come from the two
+    newest synced versions, which the dedicated model holds, so every token's π_old is exact."""
+    recipe = tiny("one_step", 4, algorithm={"old_logprob": "dedicated"})
+    res = run_recipe(recipe, out=tmp_path / "run")
+    rows = step_rows(res.run_dir)
+    assert len(rows) == 4 and any(r["async/staleness/max"] == 1 for r in rows[1:])
+    engine = load_hf_dir(res.run_dir / "weights" / f"v{rows[-1]['step/weight_version']:.0f}")
+    one = sum(p.numel() * 4 for p in engine.model.parameters())  # fp32, like the trainer
+    assert [r["old/dedicated_versions"] for r in rows] == [1.0, 2.0, 2.0, 2.0]
+    for r in rows:
+        assert r["old/dedicated_fallback_frac"] == 0.0 and r["old/exact_frac"] == 1.0
+        assert r["mismatch/engine/exact"] == 1.0
+        # live weights + kept versions + (once an older version ran) the shadow model
+        assert one * r["old/dedicated_versions"] <= r["old/dedicated_bytes"] \
+            <= one * (r["old/dedicated_versions"] + 1)
+        assert r["old/dedicated_s"] > 0
+    check_counts(rows)
+
+
 def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     recipe = tiny("fully_async", 8,
                   **{"async": {"mode": "fully_async", "staleness_threshold": 1.0,

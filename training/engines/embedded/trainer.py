@@ -517,6 +517,29 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
                 raise ValueError(f"weights[{name!r}] has shape {tuple(weights[name].shape)}, the "
                                  f"model's parameter has {tuple(p.shape)}")
 
+    def load_version(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make ``weights`` the live weights, as ``version`` (newer than the current one); the
+        previous live weights are retained as a snapshot within the budget. How a frozen copy
+        follows another trainer's versions (the dedicated old-logit model, seed 003 §5.1); no
+        optimizer step is taken and the R2 route cache is untouched."""
+        if int(version) <= self._version:
+            raise ValueError(f"load_version: version {version} is not newer than the current "
+                             f"{self._version}")
+        self._check_weights(weights)
+        if self._snapshots.budget_bytes > 0:
+            self._snapshots.put(self._version, self._current_weights_cpu())
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(weights[name])
+        self._version = int(version)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of every parameter copy this engine holds: the live model, the retained
+        snapshots and, once built, the shadow model that runs them."""
+        live = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        shadow = 0 if self._shadow is None else live
+        return live + shadow + self._snapshots.nbytes
+
     def _log_probs_per_token_version(
         self, batch: TokenBatch, versions: torch.Tensor, routing: str, temperature: float,
         with_entropy: bool, r2_version: int | None, micro_batch_size: int | None,
@@ -537,6 +560,8 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         rollout_is_weights: torch.Tensor | None = None,
         r2_version: int | None = None,
         config: StepConfig = DEFAULT_STEP_CONFIG,
+        ref_log_prob: torch.Tensor | None = None,
+        lr_scale: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step: see :meth:`training.engines.train.TrainEngine.train_step`.
 
@@ -548,10 +573,11 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         (real prompt + response tokens per second) and the loss's ``policy/*`` metrics.
         """
         t0 = time.perf_counter()
-        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights)
+        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights, ref_log_prob,
+                           lr_scale)
         dev = self.device
         objective = PolicyObjective.build(batch, advantages, old_log_prob, rollout_is_weights,
-                                          config, device=dev)
+                                          config, device=dev, ref_log_prob=ref_log_prob)
         version = self._version
         replay = self._replay_for(batch, config.routing, version, r2_version)
         record = replay is None and self.model.config.is_moe
@@ -571,7 +597,7 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         acc = accumulate_gradients(batch, objective, forward, config=config, device=dev)
         metrics = merge_loss_metrics(acc.parts)
         grad_norm = self._clip_gradients()
-        lr = self.optim.lr * lr_multiplier(self.optim, self._step)
+        lr = self.optim.lr * lr_multiplier(self.optim, self._step) * lr_scale
         skipped = not (math.isfinite(grad_norm) and math.isfinite(acc.loss))
         if not skipped:
             if self._snapshots.budget_bytes > 0:
