@@ -34,6 +34,30 @@ k3+     value of k3                                log_ratio   (gradient of k2)
 Which to use (seed 001): k2 (or k1+/k3+) for KL in the loss on-policy; k3 for KL in an IS-weighted
 loss; k1 for KL in the reward with stop-gradient.
 
+KL as a loss term (:func:`kl_loss_term`, ``algorithm.kl.mode: in_loss``) with its own IS correction
+(:data:`KL_IS_CORRECTIONS`). With ρ = π_θ/π_old the ratio the policy loss clips (``old_log_prob``
+of the train step: π_θk of seed 004, the weights the step's data is measured against) and k the
+per-token estimate of the table above:
+
+===========  =====================================================  ===========================
+name         per-token term                                         source
+===========  =====================================================  ===========================
+none         k                                                      verl's ``use_kl_loss``
+clipped      min(ρ·k, clip(ρ, 1 − ε_low, 1 + ε_high)·k)             seed 004 ("KL as loss"
+                                                                    needs its own IS
+                                                                    correction; Liu et al.
+                                                                    arXiv:2510.01555)
+deepseek_k3  ρ·k3                                                   DeepSeek-V3.2 §3.1 Eq. 7
+===========  =====================================================  ===========================
+
+Gradients flow through ρ and through k (in ``clipped``'s clipped branch through k only). The
+``min`` is the seed's, taken literally (it is the smaller of the two values of a term that is
+minimised). Under ``deepseek_k3``, E_π_old[ρ·k3] = Σ_y π_θ(y)·k3(y) = KL(π_θ ‖ π_ref), and its
+gradient is the KL's: the IS weight makes k3 unbiased off-policy (seed 001). DeepSeek weighs by the
+sampling (rollout) policy; here the behaviour correction's rollout IS weights (π_old vs μ, when
+the run applies one) multiply both IS-corrected terms, as they multiply the policy loss, so ρ·w is
+π_θ/μ under an untruncated decoupled weight.
+
 Controllers (seed 001, "KL controllers"): :class:`FixedKLController` (β constant) and
 :class:`AdaptiveKLController` (Ziegler et al. 2019, arXiv:1909.08593).
 """
@@ -50,6 +74,7 @@ from training.algorithms.masked import (
     LOG_RATIO_BOUND,
     as_bool_mask,
     clamped_log_ratio,
+    masked_mean,
     sanitize,
     tail_stats,
 )
@@ -188,6 +213,60 @@ def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: t
     return kl, tail_stats(kl, as_bool_mask(response_mask), prefix="policy/kl_loss/")
 
 
+KL_IS_CORRECTIONS: tuple[str, ...] = ("none", "clipped", "deepseek_k3")
+"""IS corrections of the KL loss term (see the module docstring; ``algorithm.kl.is_correction``)."""
+
+
+def kl_loss_term(log_prob: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                 response_mask: torch.Tensor, kind: str, is_correction: str = "none", *,
+                 clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                 rollout_is_weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token KL loss term with its IS correction (module docstring, "KL as a loss term").
+
+    Args:
+        log_prob (B, T): π_θ of the sampled tokens (with gradient).
+        old_log_prob (B, T): π_old, the denominator of the policy loss's ratio (detached).
+        ref_log_prob (B, T): π_ref (detached).
+        response_mask (B, T): tokens that count.
+        kind: KL estimator name or verl alias; ``deepseek_k3`` needs k3 (``low_var_kl``).
+        is_correction: one of :data:`KL_IS_CORRECTIONS`.
+        clip_ratio_low, clip_ratio_high: ε_low, ε_high of ``clipped``.
+        rollout_is_weights (B, T) or None: the behaviour correction's weights; multiply the
+            IS-corrected terms (not ``none``).
+    Returns:
+        (term (B, T), 0 at masked positions; metrics): ``policy/kl_loss/{mean,p50,p90,p99,max}``
+        of the uncorrected estimate k and, for the IS-corrected terms,
+        ``policy/kl_loss/is_ratio_mean`` (ρ over valid tokens) and, for ``clipped``,
+        ``policy/kl_loss/clipfrac`` (tokens whose clipped branch is the smaller).
+    """
+    if is_correction not in KL_IS_CORRECTIONS:
+        raise ValueError(f"unknown KL IS correction {is_correction!r}; use one of "
+                         f"{', '.join(KL_IS_CORRECTIONS)}")
+    if is_correction == "deepseek_k3" and resolve_kl_estimator(kind) != "k3":
+        raise ValueError(f"is_correction=deepseek_k3 weights the k3 estimator, got {kind!r}; "
+                         "use kind='k3' (low_var_kl)")
+    kl, metrics = kl_loss(log_prob, ref_log_prob, response_mask, kind)
+    if is_correction == "none":
+        return kl, metrics
+    mask = as_bool_mask(response_mask)
+    # ρ = π_θ / π_old, through the same clamp as every ratio of this package
+    ratio = torch.exp(clamped_log_ratio(log_prob, old_log_prob.detach(), mask,
+                                        bound=LOG_RATIO_BOUND))
+    if is_correction == "clipped":
+        clipped = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        # min(ρ·k, clip(ρ, 1 − ε_low, 1 + ε_high)·k)   (seed 004)
+        term = torch.minimum(ratio * kl, clipped * kl)
+        took_clip = mask & (clipped * kl < ratio * kl).detach()
+        metrics["policy/kl_loss/clipfrac"] = float(took_clip.sum()) / max(int(mask.sum()), 1)
+    else:
+        term = ratio * kl  # ρ·k3  (DeepSeek-V3.2 Eq. 7)
+    if rollout_is_weights is not None:
+        term = term * rollout_is_weights.detach()
+    metrics["policy/kl_loss/is_ratio_mean"] = float(masked_mean(ratio.detach(), mask))
+    return sanitize(term, mask), metrics
+
+
 # --------------------------------------------------------------------------------------------
 # KL coefficient controllers
 # --------------------------------------------------------------------------------------------
@@ -253,11 +332,13 @@ __all__ = [
     "K3_BOUND",
     "KL_ALIASES",
     "KL_ESTIMATORS",
+    "KL_IS_CORRECTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
     "get_kl_estimator",
     "kl_loss",
+    "kl_loss_term",
     "kl_penalty",
     "resolve_kl_estimator",
     "straight_through",

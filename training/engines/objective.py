@@ -9,8 +9,9 @@ Megatron engines compute *the same* loss, gradient accumulation and metrics from
 * :func:`micro_batch_log_probs` — the micro-batch loop of ``compute_log_probs`` (log-probs,
   entropy, Σ_v π_v² and routes of every row, gathered into one :class:`LogProbResult`);
 * :func:`check_train_inputs` and :class:`PolicyObjective` — the policy loss of
-  :mod:`training.algorithms.policy_loss` (with IS weights and the optional entropy bonus) on the
-  rows of one micro-batch;
+  :mod:`training.algorithms.policy_loss` (with IS weights, the optional entropy bonus and the
+  optional KL-to-reference loss term of :func:`training.algorithms.kl.kl_loss_term`) on the rows
+  of one micro-batch;
 * :func:`accumulate_gradients` — the micro-batch loop of ``train_step`` with both accumulation modes
   of :mod:`training.engines.train` (``scaled``: each micro-batch's loss times its share of the
   global normaliser; ``full_batch``: the loss on the full batch with one micro-batch's rows carrying
@@ -21,12 +22,14 @@ Megatron engines compute *the same* loss, gradient accumulation and metrics from
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from training.algorithms.kl import kl_loss_term
 from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, agg_loss
 from training.engines.train import (
     LogProbResult,
@@ -190,13 +193,18 @@ def micro_batch_log_probs(forward: LogProbForwardFn, batch: TokenBatch, *,
 
 
 def check_train_inputs(batch: TokenBatch, advantages: torch.Tensor, old_log_prob: torch.Tensor,
-                       rollout_is_weights: torch.Tensor | None) -> None:
-    """ValueError naming the fix unless the step's tensors are (B, T) (the settings were checked
-    when their :class:`StepConfig` was built)."""
+                       rollout_is_weights: torch.Tensor | None,
+                       ref_log_prob: torch.Tensor | None = None, lr_scale: float = 1.0) -> None:
+    """ValueError naming the fix unless the step's tensors are (B, T) and ``lr_scale`` is a
+    finite number > 0 (the settings were checked when their :class:`StepConfig` was built)."""
+    if not (math.isfinite(lr_scale) and lr_scale > 0):
+        raise ValueError(f"lr_scale must be a finite number > 0, got {lr_scale}")
     shape = (batch.batch_size, batch.response_len)
     named = {"advantages": advantages, "old_log_prob": old_log_prob}
     if rollout_is_weights is not None:
         named["rollout_is_weights"] = rollout_is_weights
+    if ref_log_prob is not None:
+        named["ref_log_prob"] = ref_log_prob
     for name, tensor in named.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; it must be (B, T) = "
@@ -206,7 +214,9 @@ def check_train_inputs(batch: TokenBatch, advantages: torch.Tensor, old_log_prob
 @dataclass
 class PolicyObjective:
     """The registered policy loss on (B, T) tensors already on the backend's device, minus
-    ``entropy_coeff · agg(entropy)`` (same aggregation mode as the loss)."""
+    ``entropy_coeff · agg(entropy)``, plus ``kl_coef · agg(KL term)`` when the step config asks
+    for a KL loss term (same aggregation mode as the loss). The KL term's ratio is π_θ/π_old with
+    π_old = ``old_log_prob`` and its ε the loss's ``clip_ratio_low/high``."""
 
     loss_fn: Callable
     config: PolicyLossConfig
@@ -216,13 +226,22 @@ class PolicyObjective:
     old_log_prob: torch.Tensor
     rollout_is_weights: torch.Tensor | None
     entropy_coeff: float
+    ref_log_prob: torch.Tensor | None = None
+    kl_estimator: str | None = None
+    kl_coef: float = 0.0
+    kl_is_correction: str = "none"
 
     @classmethod
     def build(cls, batch: TokenBatch, advantages: torch.Tensor, old_log_prob: torch.Tensor,
               rollout_is_weights: torch.Tensor | None, config: StepConfig, *,
-              device: torch.device) -> PolicyObjective:
-        """The objective of one step: ``config``'s loss, loss settings and entropy bonus on the
-        step's (B, T) tensors, moved to ``device``."""
+              device: torch.device, ref_log_prob: torch.Tensor | None = None
+              ) -> PolicyObjective:
+        """The objective of one step: ``config``'s loss, loss settings, entropy bonus and KL loss
+        term on the step's (B, T) tensors, moved to ``device``."""
+        if config.kl_estimator is not None and ref_log_prob is None:
+            raise ValueError(f"the step config adds a KL loss term (kl_estimator="
+                             f"{config.kl_estimator!r}); pass ref_log_prob (B, T), the reference "
+                             "policy's log-probs of the batch")
         loss_fn = POLICY_LOSSES.get(config.loss_name)
         cfg = config.loss_config or PolicyLossConfig()
         return cls(
@@ -232,7 +251,11 @@ class PolicyObjective:
             old_log_prob=old_log_prob.detach().to(device, torch.float32),
             rollout_is_weights=(None if rollout_is_weights is None
                                 else rollout_is_weights.detach().to(device)),
-            entropy_coeff=config.entropy_coeff)
+            entropy_coeff=config.entropy_coeff,
+            ref_log_prob=(None if config.kl_estimator is None or ref_log_prob is None
+                          else ref_log_prob.detach().to(device, torch.float32)),
+            kl_estimator=config.kl_estimator, kl_coef=config.kl_coef,
+            kl_is_correction=config.kl_is_correction)
 
     def __call__(self, lp: torch.Tensor, ent: torch.Tensor, rows: slice | None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -246,6 +269,18 @@ class PolicyObjective:
         if self.entropy_coeff:
             loss = loss - self.entropy_coeff * agg_loss(ent, m, self.agg_mode,
                                                         self.config.loss_scale_factor)
+        if self.ref_log_prob is not None and self.kl_estimator is not None:
+            cfg = self.config
+            low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+            high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+            term, kl_metrics = kl_loss_term(
+                lp, pick(self.old_log_prob), pick(self.ref_log_prob), m, self.kl_estimator,
+                self.kl_is_correction, clip_ratio_low=low, clip_ratio_high=high,
+                rollout_is_weights=None if isw is None else pick(isw))
+            kl = agg_loss(term, m, self.agg_mode, cfg.loss_scale_factor)
+            loss = loss + self.kl_coef * kl
+            metrics = {**metrics, **kl_metrics, "policy/kl_loss": float(kl.detach()),
+                       "policy/kl_coef": self.kl_coef}
         return loss, pg, metrics
 
 

@@ -58,6 +58,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from training.algorithms.kl import KL_IS_CORRECTIONS, resolve_kl_estimator
 from training.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig
 from training.engines.hf_io import CheckpointError
 
@@ -426,6 +427,15 @@ class StepConfig:
     """Subtracts ``coeff · agg(entropy)`` (the loss's aggregation mode) from the loss."""
     accumulation: str = "scaled"
     """``scaled`` | ``full_batch`` (see the module docstring)."""
+    kl_estimator: str | None = None
+    """KL-to-reference loss term (``algorithm.kl.mode: in_loss``): the estimator, or None for no
+    term. When set, every ``train_step`` needs ``ref_log_prob`` and adds
+    ``kl_coef · agg(term)`` (the loss's aggregation mode) with the term of
+    :func:`training.algorithms.kl.kl_loss_term`."""
+    kl_coef: float = 0.0
+    """β of the KL loss term."""
+    kl_is_correction: str = "none"
+    """The KL loss term's IS correction (:data:`training.algorithms.kl.KL_IS_CORRECTIONS`)."""
 
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.loss_name)  # KeyError listing the registered losses
@@ -438,6 +448,16 @@ class StepConfig:
         if self.accumulation not in ACCUMULATION_MODES:
             raise ValueError(f"accumulation={self.accumulation!r}; use one of "
                              f"{', '.join(ACCUMULATION_MODES)}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.kl_estimator is not None:
+            kind = resolve_kl_estimator(self.kl_estimator)  # KeyError listing the estimators
+            if self.kl_is_correction not in KL_IS_CORRECTIONS:
+                raise ValueError(f"kl_is_correction={self.kl_is_correction!r}; use one of "
+                                 f"{', '.join(KL_IS_CORRECTIONS)}")
+            if self.kl_is_correction == "deepseek_k3" and kind != "k3":
+                raise ValueError(f"kl_is_correction=deepseek_k3 weights the k3 estimator; set "
+                                 f"kl_estimator='k3', not {self.kl_estimator!r}")
 
 
 DEFAULT_STEP_CONFIG = StepConfig()
@@ -540,12 +560,17 @@ class TrainEngine(Protocol):
         rollout_is_weights: torch.Tensor | None = None,
         r2_version: int | None = None,
         config: StepConfig = DEFAULT_STEP_CONFIG,
+        ref_log_prob: torch.Tensor | None = None,
+        lr_scale: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step on ``batch`` (advantages, old_log_prob, IS weights: (B, T)).
 
         ``r2_version``: the version whose routes ``routing='r2'`` replays (None = this step's
         own weights); ``config``: the run's loss, routing, temperature, micro-batching, entropy
-        bonus and accumulation mode (:class:`StepConfig`).
+        bonus, accumulation mode and KL loss term (:class:`StepConfig`); ``ref_log_prob``:
+        (B, T) reference log-probs, required when ``config.kl_estimator`` is set;
+        ``lr_scale``: factor (> 0) on this step's scheduled learning rate (the learner's reactive
+        guards); ``train/lr`` reports the rate applied.
 
         Returns metrics: ``train/loss``, ``train/grad_norm`` (before clipping), ``train/lr``,
         ``train/entropy``, ``train/weight_version`` … plus the loss's own ``policy/*`` metrics.

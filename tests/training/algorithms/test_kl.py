@@ -14,10 +14,12 @@ from training.algorithms.kl import (
     K3_BOUND,
     KL_ALIASES,
     KL_ESTIMATORS,
+    KL_IS_CORRECTIONS,
     AdaptiveKLController,
     FixedKLController,
     get_kl_estimator,
     kl_loss,
+    kl_loss_term,
     kl_penalty,
     resolve_kl_estimator,
 )
@@ -318,3 +320,97 @@ def test_controller_validation() -> None:
     with pytest.raises(ValueError, match="n_steps"):
         ctrl.update(0.1, n_steps=-1)
     assert ctrl.value == 0.1
+
+
+# ------------------------------------------------------------------------------------------------
+# KL as a loss term with its IS correction (kl_loss_term)
+# ------------------------------------------------------------------------------------------------
+
+LN2 = math.log(2.0)
+
+
+def _term_case():
+    """Two tokens: π_θ = (.5, .2), π_old = (.4, .3), π_ref = (.25, .4).
+
+    log_ratio to the reference = (ln 2, −ln 2); ρ = π_θ/π_old = (1.25, 2/3);
+    k3 = e^{−x} − 1 + x = (ln 2 − ½, 1 − ln 2); dk3/dlogπ = 1 − e^{−x} = (½, −1)."""
+    lp = torch.tensor([[0.5, 0.2]]).log().requires_grad_(True)
+    old = torch.tensor([[0.4, 0.3]]).log()
+    ref = torch.tensor([[0.25, 0.4]]).log()
+    return lp, old, ref, torch.ones(1, 2, dtype=torch.bool)
+
+
+def test_kl_loss_term_none_is_the_plain_estimate_with_its_gradient():
+    lp, old, ref, mask = _term_case()
+    term, m = kl_loss_term(lp, old, ref, mask, "k2")
+    assert_close(term, torch.tensor([[0.5 * LN2 ** 2, 0.5 * LN2 ** 2]]))
+    term.sum().backward()
+    assert_close(lp.grad, torch.tensor([[LN2, -LN2]]))  # ∂k2/∂logπ = log_ratio
+    assert m["policy/kl_loss/mean"] == pytest.approx(0.5 * LN2 ** 2)
+    assert "policy/kl_loss/is_ratio_mean" not in m
+
+
+def test_kl_loss_term_clipped_takes_the_seed_004_minimum():
+    lp, old, ref, mask = _term_case()
+    term, m = kl_loss_term(lp, old, ref, mask, "k3", "clipped", clip_ratio_low=0.2,
+                           clip_ratio_high=0.2)
+    k3 = torch.tensor([[LN2 - 0.5, 1 - LN2]])
+    # token 0: ρ = 1.25 > 1.2, min(1.25·k, 1.2·k) = 1.2·k (clipped branch, k ≥ 0)
+    # token 1: ρ = 2/3 < 0.8, min(2/3·k, 0.8·k) = 2/3·k (unclipped branch)
+    assert_close(term, torch.tensor([[1.2, 2 / 3]]) * k3)
+    term.sum().backward()
+    # token 0: 1.2 · dk3 = 1.2 · ½; token 1: d(ρ·k3)/dlogπ = ρ·k3 + ρ·dk3 = 2/3 · (1 − ln 2 − 1)
+    assert_close(lp.grad, torch.tensor([[0.6, -2 / 3 * LN2]]))
+    assert m["policy/kl_loss/clipfrac"] == 0.5
+    assert m["policy/kl_loss/is_ratio_mean"] == pytest.approx((1.25 + 2 / 3) / 2)
+
+
+def test_kl_loss_term_deepseek_k3_weights_k3_by_the_ratio():
+    lp, old, ref, mask = _term_case()
+    term, _ = kl_loss_term(lp, old, ref, mask, "low_var_kl", "deepseek_k3")
+    assert_close(term, torch.tensor([[1.25 * (LN2 - 0.5), 2 / 3 * (1 - LN2)]]))
+    term.sum().backward()
+    # d(ρ·k3)/dlogπ = ρ·(k3 + 1 − e^{−x}) = (1.25 · ln 2, 2/3 · (−ln 2))
+    assert_close(lp.grad, torch.tensor([[1.25 * LN2, -2 / 3 * LN2]]))
+
+
+def test_kl_loss_term_rollout_weights_multiply_only_the_is_corrected_terms():
+    lp, old, ref, mask = _term_case()
+    w = torch.tensor([[2.0, 0.5]])
+    plain, _ = kl_loss_term(lp, old, ref, mask, "k3", rollout_is_weights=w)
+    assert_close(plain, torch.tensor([[LN2 - 0.5, 1 - LN2]]))
+    weighted, _ = kl_loss_term(lp, old, ref, mask, "k3", "deepseek_k3", rollout_is_weights=w)
+    assert_close(weighted, torch.tensor([[2 * 1.25 * (LN2 - 0.5), 0.5 * 2 / 3 * (1 - LN2)]]))
+
+
+def test_deepseek_k3_is_unbiased_for_the_kl_and_its_gradient_off_policy():
+    """Σ_y π_old(y)·ρ(y)·k3(y) = KL(π_θ ‖ π_ref) exactly, gradient included (DeepSeek-V3.2 Eq. 7);
+    plain k3 under π_old is not."""
+    logits = torch.tensor([0.3, -0.2, 0.9], requires_grad=True)
+    old = torch.tensor([0.5, 0.3, 0.2])
+    ref = torch.tensor([0.2, 0.5, 0.3])
+    log_pi = torch.log_softmax(logits, -1)
+    # every vocabulary entry as a one-token response: (3, 1)
+    lp, o, r = log_pi[:, None], old.log()[:, None], ref.log()[:, None]
+    mask = torch.ones(3, 1, dtype=torch.bool)
+    term, _ = kl_loss_term(lp, o, r, mask, "k3", "deepseek_k3")
+    estimate = (old[:, None] * term).sum()
+    exact = (log_pi.exp() * (log_pi - ref.log())).sum()
+    assert_close(estimate, exact)
+    g_est, = torch.autograd.grad(estimate, logits, retain_graph=True)
+    g_exact, = torch.autograd.grad(exact, logits, retain_graph=True)
+    assert_close(g_est, g_exact)
+    plain, _ = kl_loss_term(lp, o, r, mask, "k3")
+    assert abs(float(((old[:, None] * plain).sum() - exact).detach())) > 1e-2
+
+
+def test_kl_loss_term_masked_tokens_are_zero_and_bad_options_name_the_fix():
+    lp, old, ref, _ = _term_case()
+    mask = torch.tensor([[True, False]])
+    term, m = kl_loss_term(lp, old, ref, mask, "k3", "clipped")
+    assert float(term[0, 1]) == 0.0 and m["policy/kl_loss/clipfrac"] == 1.0
+    with pytest.raises(ValueError, match="deepseek_k3 weights the k3 estimator"):
+        kl_loss_term(lp, old, ref, mask, "k2", "deepseek_k3")
+    with pytest.raises(ValueError, match="use one of none, clipped, deepseek_k3"):
+        kl_loss_term(lp, old, ref, mask, "k3", "sometimes")
+    assert KL_IS_CORRECTIONS == ("none", "clipped", "deepseek_k3")

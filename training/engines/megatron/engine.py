@@ -315,14 +315,17 @@ class MegatronTrainEngine:
                    old_log_prob: torch.Tensor, *,
                    rollout_is_weights: torch.Tensor | None = None,
                    r2_version: int | None = None,
-                   config: StepConfig = DEFAULT_STEP_CONFIG) -> dict[str, float]:
+                   config: StepConfig = DEFAULT_STEP_CONFIG,
+                   ref_log_prob: torch.Tensor | None = None,
+                   lr_scale: float = 1.0) -> dict[str, float]:
         """See :meth:`training.engines.train.TrainEngine.train_step` (same metrics as the embedded
         engine; ``train/step_time_s`` is measured on rank 0). ``config`` reaches every rank as
         it is (a frozen, picklable dataclass)."""
         t0 = time.perf_counter()
         metrics = self._ranks.call(
             "train_step", batch, advantages, old_log_prob,
-            rollout_is_weights=rollout_is_weights, r2_version=r2_version, config=config)
+            rollout_is_weights=rollout_is_weights, r2_version=r2_version, config=config,
+            ref_log_prob=ref_log_prob, lr_scale=lr_scale)
         self._version = int(metrics["train/weight_version"])
         self._step = int(metrics["train/step"])
         metrics["train/call_time_s"] = time.perf_counter() - t0

@@ -828,16 +828,19 @@ class MegatronRank(RetainedState, RouteReplay):
                    old_log_prob: torch.Tensor, *,
                    rollout_is_weights: torch.Tensor | None = None,
                    r2_version: int | None = None,
-                   config: StepConfig = DEFAULT_STEP_CONFIG) -> dict[str, float]:
+                   config: StepConfig = DEFAULT_STEP_CONFIG,
+                   ref_log_prob: torch.Tensor | None = None,
+                   lr_scale: float = 1.0) -> dict[str, float]:
         """One optimizer step (``TrainEngine.train_step``; the same metrics as the embedded
         engine)."""
         from megatron.core.distributed import finalize_model_grads
 
         t0 = time.perf_counter()
-        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights)
+        check_train_inputs(batch, advantages, old_log_prob, rollout_is_weights, ref_log_prob,
+                           lr_scale)
         dev = self.device
         objective = PolicyObjective.build(batch, advantages, old_log_prob, rollout_is_weights,
-                                          config, device=dev)
+                                          config, device=dev, ref_log_prob=ref_log_prob)
         version = self._version
         replay = self._replay_for(batch, config.routing, version, r2_version)
         record = replay is None and self.config().is_moe
@@ -902,7 +905,7 @@ class MegatronRank(RetainedState, RouteReplay):
             grad_norm = float(self.optimizer.get_grad_norm())
             if self.optim.grad_clip is not None:
                 _clip_by_total_norm(self.optimizer, self.optim.grad_clip, grad_norm)
-            lr = self.optim.lr * lr_multiplier(self.optim, self._step)
+            lr = self.optim.lr * lr_multiplier(self.optim, self._step) * lr_scale
             skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
             if not skipped:
                 if self._snapshots.budget_bytes > 0:

@@ -116,7 +116,7 @@ def server_args(recipe: Recipe, spec: ServerSpec) -> list[str]:
         "--random-seed", str(recipe.seed + spec.index),
         "--max-running-requests", str(recipe.engines.max_batch),
     ]
-    if recipe.algorithm.routing_replay == "r3":
+    if recipe.routing_replay == "r3":
         args.append("--enable-return-routed-experts")
     if s.deterministic:
         args.append("--enable-deterministic-inference")
