@@ -186,7 +186,7 @@ class Rollouter:
         self.sync_timeout_s = 600.0
         # R3 needs the rollout's routes; the model is MoE (the recipe checks a warm start, the
         # run's start a checkpoint's config.json: `Recipe.is_moe` cannot see inside a checkpoint)
-        self.moe = r.algorithm.routing_replay == "r3"
+        self.moe = r.routing_replay == "r3"
         self.policy_step = 0
         self.version = int(version)
         self.next_group_id = 0
