@@ -718,3 +718,71 @@ def test_error_unions_come_from_the_schema():
     }
     msg = _error({"name": "x", "async": {"mode": "fully_async", "bogus": 1}})
     assert "async.bogus" in msg and "fully_async.bogus" not in msg
+
+
+# --- issue 17: KL loss term, reactive LR guards, routing_replay auto ------------------------------
+
+
+def test_kl_in_loss_options_are_checked_with_the_fix() -> None:
+    r = recipe_from_dict({"algorithm": {"kl": {"mode": "in_loss", "estimator": "k3",
+                                               "is_correction": "deepseek_k3"}}})
+    assert r.algorithm.kl.is_correction == "deepseek_k3"
+    with pytest.raises(RecipeError, match=re.escape("set algorithm.kl.estimator: k3 (not k2)")):
+        recipe_from_dict({"algorithm": {"kl": {"mode": "in_loss", "estimator": "k2",
+                                               "is_correction": "deepseek_k3"}}})
+    with pytest.raises(RecipeError, match=re.escape(
+            "set algorithm.kl.mode: in_loss or is_correction: none")):
+        recipe_from_dict({"algorithm": {"kl": {"mode": "in_reward", "is_correction": "clipped"}}})
+    with pytest.raises(RecipeError, match="applies to mode in_reward"):
+        recipe_from_dict({"algorithm": {"kl": {"mode": "in_loss", "target": 0.1}}})
+    with pytest.raises(RecipeError, match=re.escape("algorithm.kl.is_correction")):
+        recipe_from_dict({"algorithm": {"kl": {"mode": "in_loss", "is_correction": "yes"}}})
+
+
+def test_guards_are_off_by_default_and_keep_old_hashes() -> None:
+    plain = Recipe()
+    assert plain.optim.vcpo is None and plain.optim.length_surge_guard is None
+    # at their defaults the fields added later leave the hash of a recipe from before them
+    spelt = recipe_from_dict({"optim": {"vcpo": None, "length_surge_guard": None},
+                              "algorithm": {"kl": {"is_correction": "none"}}})
+    assert spelt.hash() == plain.hash()
+    on = recipe_from_dict({"optim": {"length_surge_guard": {}, "vcpo": {"min_scale": 0.2}}})
+    g = on.optim.length_surge_guard
+    assert (g.ratio, g.window_steps, g.factor, g.max_halvings) == (1.2, 100, 0.5, None)
+    assert on.optim.vcpo.min_scale == 0.2 and on.hash() != plain.hash()
+    with pytest.raises(RecipeError, match=re.escape("optim.length_surge_guard.ratio")):
+        recipe_from_dict({"optim": {"length_surge_guard": {"ratio": 1.0}}})
+    with pytest.raises(RecipeError, match=re.escape("optim.vcpo.min_scale")):
+        recipe_from_dict({"optim": {"vcpo": {"min_scale": 0.0}}})
+
+
+@pytest.mark.parametrize(("mode", "require_batches", "epochs", "n", "replay"), [
+    ("sync", 1, 1, 1, "none"),   # on-policy: replay only adds bias (seed 004)
+    ("sync", 2, 1, 2, "r2"),
+    ("sync", 1, 3, 3, "r2"),
+    ("sync", 2, 2, 4, "r3"),
+    ("sync", 8, 1, 8, "r3"),
+    ("one_step", 1, 1, 2, "r2"),  # one step of staleness doubles the updates a sample spans
+    ("one_step", 2, 1, 4, "r3"),
+])
+def test_routing_replay_auto_resolves_by_off_policiness(mode, require_batches, epochs, n,
+                                                       replay) -> None:
+    moe = {"kind": "warmstart", "moe_experts": 4}
+    r = recipe_from_dict({"model": moe, "algorithm": {"routing_replay": "auto"},
+                          "async": {"mode": mode, "require_batches": require_batches},
+                          "optim": {"epochs": epochs}})
+    assert r.updates_per_batch == require_batches * epochs
+    assert r.off_policiness == n and r.routing_replay == replay
+    assert r.algorithm.routing_replay == "auto"
+
+
+def test_routing_replay_auto_is_none_on_a_dense_model_and_explicit_values_stay() -> None:
+    dense = recipe_from_dict({"algorithm": {"routing_replay": "auto"},
+                              "async": {"mode": "sync", "require_batches": 8}})
+    assert dense.routing_replay == "none"
+    moe = {"kind": "warmstart", "moe_experts": 4}
+    assert recipe_from_dict({"model": moe, "algorithm": {"routing_replay": "r2"},
+                             "async": {"mode": "sync", "require_batches": 8}}
+                            ).routing_replay == "r2"
+    with pytest.raises(RecipeError, match="needs an MoE model"):
+        recipe_from_dict({"algorithm": {"routing_replay": "r3"}})
