@@ -189,8 +189,9 @@ FIXES: dict[str, tuple[str, str]] = {
           "geometric objective (GSPO/GMPO); bypass_pg_geo_rs_token_tis is the closest preset. Do "
           "not widen the clip."),
     "F": ("optimizer amplification / response-length surge",
-          "Halve the learning rate and switch to bypass_pg_geo_rs. If length keeps surging after "
-          "the LR decay, audit the reward (hacking, EOS handling, length bonus)."),
+          "Halve the learning rate and switch to bypass_pg_geo_rs; optim.length_surge_guard "
+          "halves it again by itself at the next surge. If length keeps surging after the LR "
+          "decay, audit the reward (hacking, EOS handling, length bonus)."),
 }
 
 #: What to do when engine metrics cross a cause-A threshold but are not exact: the engine share
@@ -221,7 +222,8 @@ def prescription(cause: str, *, moe: bool | None = None, lr: float | None = None
     The numbers are seed 001's: B ``decoupled_geo_rs_seq_tis(is_threshold=2.0,
     rs_threshold="0.99_1.01")``, C ``decoupled_geo_rs(rs_threshold="0.99_1.01")``, D
     ``decoupled_token_icepop(threshold_lower=0.5, threshold=5.0)``, E 1 PPO epoch + half the LR,
-    F half the LR + ``bypass_pg_geo_rs``.
+    F half the LR + ``bypass_pg_geo_rs`` + the reactive ``optim.length_surge_guard`` (the seed's
+    ``if mean_response_len / len_100_steps_ago > 1.20: lr *= 0.5`` from then on).
     """
     half_lr = {"optim.lr": lr / 2} if lr is not None and lr > 0 else {}
     if cause == "A":
@@ -243,8 +245,9 @@ def prescription(cause: str, *, moe: bool | None = None, lr: float | None = None
                                                 threshold=5.0)}
     if cause == "E":
         return {"optim.epochs": 1, **half_lr}
-    if cause == "F":
-        return {**half_lr, "algorithm.correction": _preset("bypass_pg_geo_rs")}
+    if cause == "F":  # and the reactive guard, so a later surge halves the LR again by itself
+        return {**half_lr, "algorithm.correction": _preset("bypass_pg_geo_rs"),
+                "optim.length_surge_guard": {}}
     raise ValueError(f"unknown cause {cause!r}; use one of A, B, C, D, E, F or 'unseparated'")
 
 

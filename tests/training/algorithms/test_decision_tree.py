@@ -176,6 +176,7 @@ def test_prescriptions_are_recipe_overrides():
     assert prescription("A", moe=False, rollout="embedded") == {
         "algorithm.old_logprob": "snapshot", "engines.rollout_dtype": "fp32"}
     assert prescription("E", lr=3e-5) == {"optim.epochs": 1, "optim.lr": 1.5e-5}
+    assert prescription("F")["optim.length_surge_guard"] == {}  # seed 001's defaults
     assert prescription("F")["algorithm.correction"] == {"kind": "preset",
                                                          "name": "bypass_pg_geo_rs", "args": {}}
     with pytest.raises(ValueError, match="unknown cause"):
