@@ -47,7 +47,9 @@ model once). One :meth:`Learner.step`:
    ``decoupled_mis`` correction sets π_prox := π_old (:func:`proximal_and_old`).
 5. **Rewards**: the scalar reward sits on the last loss token of the response; with
    ``kl.mode: in_reward`` the token reward loses β·KL(π_old ‖ π_ref) per token (fixed β, or the
-   adaptive controller when ``kl.target`` is set).
+   adaptive controller when ``kl.target`` is set). ``kl.mode: in_loss`` leaves the reward alone:
+   the train steps get π_ref and add β·agg(KL term) with ``kl.is_correction`` to the loss
+   (:func:`training.algorithms.kl.kl_loss_term`, differentiated through π_θ by the engine).
 6. **Advantages** by the recipe's estimator, grouped by ``group_id``.
 7. **Correction** by ``algorithm.correction`` (:func:`apply_correction`): ``none``; ``compis``
    (r3 = π_prox/π_old and r2 = π_old/μ, each with its own method); ``preset`` (seed 001's table:
@@ -62,7 +64,13 @@ model once). One :meth:`Learner.step`:
 8. **Trains**: for each epoch, one ``train_step`` per mini-batch of consecutive groups
    (``async.require_batches`` mini-batches; the last takes the remainder), with
    ``old_log_prob = π_prox`` and the run's :class:`~training.engines.train.StepConfig`
-   (:func:`step_config`, built once); R2 replays the routes of the step's start version.
+   (:func:`step_config`, built once); R2 replays the routes of the step's start version. The
+   reactive guards (``optim.vcpo``, ``optim.length_surge_guard``,
+   :mod:`training.algorithms.guards`) set the ``lr_scale`` of the step's optimizer steps first:
+   VCPO's ESS of the applied IS weights (else of π_current/μ), and the length-surge halving from
+   the batch's mean response length; a halving is a line in :attr:`StepResult.events` (the run
+   logs it) and its state is :meth:`Learner.state_dict`, kept in the trainer checkpoint.
+   Routing: ``Recipe.routing_replay`` (``auto`` resolved there).
 9. **Metrics**: one flat dict of floats (DESIGN.md "Metrics"), see :meth:`Learner.step`.
 10. **EWMA** (``ewma`` only): the reference is updated with the new parameters.
 
@@ -574,7 +582,8 @@ class Learner:
         recipe: the validated recipe (reads ``algorithm``, ``optim``, ``rollout.temperature``,
             ``async``).
         reference_dir: the initial HF checkpoint, loaded as the frozen KL reference when
-            ``algorithm.kl.mode == "in_reward"`` (required then, ignored otherwise).
+            ``algorithm.kl.mode`` is ``in_reward`` or ``in_loss`` (required then, ignored
+            otherwise).
         pad_token_id: padding id of the packed batches.
         keep_tensors: fill :attr:`StepResult.debug` with the step's tensors (tests, debugging).
     """
