@@ -20,7 +20,9 @@ embedded backend:
   retained snapshot of ``r2_version`` when they are not cached.
 * **Optimizer.** AdamW (decay on matrices and embeddings, none on norm weights), global-norm
   gradient clipping, the learning rate set before each step from
-  :func:`~training.engines.train.lr_multiplier` (the schedule's state is the step counter).
+  :func:`~training.engines.train.lr_multiplier` (the schedule's state is the step counter) times
+  the step's ``lr_scale`` (the learner's reactive guards; their state is the learner's, not in
+  this engine's checkpoint).
 * **Checkpoints.** A checkpoint directory *is* an HF model directory (``save_hf_dir``: loadable by
   the rollout server and by ``transformers``) plus ``trainer_state.pt`` (optimizer state, step,
   version, optimizer config, RNG states of torch / numpy / python), the retained snapshots
