@@ -780,6 +780,7 @@ class Learner:
         # measured first, so the correction's applied versions of the same keys win
         metrics.update(self._diagnostics(packed, policies, start_version))
         metrics.update(policies.metrics)
+        metrics.update(self._held_bytes_metrics())
         metrics.update(adv_metrics)
         metrics.update(correction.metrics)
         metrics.update(train_metrics)
@@ -994,6 +995,24 @@ class Learner:
         mask_frac = correction_metrics.get("old/ewma_mask_frac")
         self.ewma_state = self._ewma_step(self.ewma_state, mask_frac)
         return self._ewma_metrics()
+
+    def _held_bytes_metrics(self) -> dict[str, float]:
+        """``old/held_bytes``: bytes of the parameter copies held for old policies besides the
+        trainer's live weights — its retained snapshots and the shadow model that runs them or
+        the EWMA reference, the EWMA reference itself, the dedicated old-logit model — measured
+        after this step's update. Engines that do not count their copies (``parameter_bytes``:
+        the Megatron ranks) report nothing."""
+        if not hasattr(self.engine, "parameter_bytes"):
+            return {}
+        live = sum(p.numel() * p.element_size()
+                   for p in self.engine.model.parameters())  # type: ignore[attr-defined]
+        held = self.engine.parameter_bytes() - live  # type: ignore[attr-defined]
+        ref = None if self.ewma_state is None else self.ewma_state.reference
+        if isinstance(ref, Mapping):  # parameters kept here, not on the engine's ranks
+            held += sum(t.numel() * t.element_size() for t in ref.values())
+        if self._dedicated is not None:
+            held += self._dedicated.parameter_bytes()  # type: ignore[attr-defined]
+        return {"old/held_bytes": float(held)}
 
     def _ewma_metrics(self) -> dict[str, float]:
         assert self.ewma_config is not None and self.ewma_state is not None

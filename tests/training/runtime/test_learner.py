@@ -285,6 +285,22 @@ def test_dedicated_counts_tokens_of_versions_it_no_longer_holds(caplog):
     assert "not held" in caplog.text and "dedicated_versions" in caplog.text
 
 
+def test_held_bytes_count_every_parameter_copy_kept_for_old_policies():
+    one = sum(p.numel() * 4 for p in _engine().model.parameters())
+    eng = _engine(snapshot_budget_bytes=0)
+    m = Learner(eng, _recipe({"old_logprob": "recompute"})).step(_groups(eng), step=0).metrics
+    assert m["old/held_bytes"] == 0.0
+    eng = _engine()  # the trainer snapshots version 0 before its update; no shadow model ran
+    m = Learner(eng, _recipe({"old_logprob": "snapshot"})).step(_groups(eng), step=0).metrics
+    assert m["old/held_bytes"] == one
+    eng = _engine(snapshot_budget_bytes=0)  # the EWMA reference and the shadow model running it
+    m = Learner(eng, _recipe({"old_logprob": "ewma"})).step(_groups(eng), step=0).metrics
+    assert m["old/held_bytes"] == 2 * one
+    eng = _engine(snapshot_budget_bytes=0)  # the dedicated model's live copy
+    m = Learner(eng, _recipe({"old_logprob": "dedicated"})).step(_groups(eng), step=0).metrics
+    assert m["old/held_bytes"] == m["old/dedicated_bytes"] == one
+
+
 def test_recompute_is_exact_only_on_tokens_of_the_start_version():
     eng = _engine()
     learner = Learner(eng, _recipe({"old_logprob": "recompute"}))
