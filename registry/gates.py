@@ -1730,7 +1730,7 @@ def unmet_requirement(name: str, params: Mapping[str, Any] | None,
                    else f"old_logprob is {a.old_logprob}")
             return (f"gate is_weight_mean_band reads the engine IS ratio π_old/μ, but {why}, "
                     "so π_old is μ and the ratio is identically 1; use old_logprob snapshot "
-                    "(or recompute/ewma) or drop the gate")
+                    "(or dedicated/recompute/ewma) or drop the gate")
     if name == "zero_variance_groups" and recipe.rollout.n < 2:
         return (f"gate zero_variance_groups needs groups of ≥ 2 samples, but rollout.n "
                 f"is {recipe.rollout.n}; raise it or drop the gate")

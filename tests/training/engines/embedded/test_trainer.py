@@ -488,6 +488,30 @@ def test_snapshot_budget_evicts_oldest_with_a_clear_error():
         off.compute_log_probs(batch, version=0)
 
 
+def test_load_version_follows_another_trainer_and_counts_its_copies():
+    """The dedicated old-logit model's engine: loads another trainer's versions, keeps the
+    previous live weights as snapshots, and counts every parameter copy it holds."""
+    trainer, batch = _engine(optim=OptimConfig(lr=1e-2)), _batch()
+    size = sum(p.numel() * 4 for p in trainer.model.parameters())
+    follower = _engine(snapshot_budget_bytes=size)  # the same init, one kept version
+    assert follower.parameter_bytes() == size  # the live model only
+    lp0 = trainer.compute_log_probs(batch).log_probs
+    for _ in range(2):
+        trainer.train_step(batch, _adv(batch), lp0)
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    follower.load_version(weights, 2)
+    assert follower.weight_version == 2 and follower.snapshot_versions() == [0]
+    assert follower.step == 0  # nothing was trained
+    assert torch.equal(follower.compute_log_probs(batch).log_probs,
+                       trainer.compute_log_probs(batch).log_probs)
+    assert torch.equal(follower.compute_log_probs(batch, version=0).log_probs, lp0)
+    assert follower.parameter_bytes() == 3 * size  # live, version 0, the shadow that ran it
+    with pytest.raises(ValueError, match="not newer than the current 2"):
+        follower.load_version(weights, 2)
+    with pytest.raises(ValueError, match="do not match the model's parameters"):
+        follower.load_version({}, 3)
+
+
 def test_tied_embeddings_and_shadow_model():
     cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4,
                       intermediate_size=40, tie_word_embeddings=True)
