@@ -14,6 +14,7 @@ and per difficulty bucket.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from training.engines.model import CausalLM, KVCache
 from training.tasks.registry import Example, Split, Task
 from training.tasks.tokenizer import CharTokenizer
+from training.tasks.tools import ToolTask
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def generate(
     pad_token_id: int = 0,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> list[Generation]:
     """Generate a response for every prompt (one batch).
 
@@ -108,6 +111,8 @@ def generate(
         pad_token_id: the id used for left padding.
         temperature: 0 for greedy (argmax), else sampling from softmax(logits / temperature).
         generator: the RNG for sampling (seed it for reproducible samples).
+        stop_token_ids: more tokens that end a response (finish reason ``stop``) and, unlike
+            <eos>, are kept in ``Generation.tokens`` (a tool call's closing character).
     Returns:
         one :class:`Generation` per prompt, in the input order.
     """
@@ -131,11 +136,13 @@ def generate(
             probs = torch.softmax(last.float() / temperature, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         stopped = token == eos_token_id
+        for extra in stop_token_ids:
+            stopped = stopped | (token == extra)
         for row, tok, stop in zip(active.tolist(), token.tolist(), stopped.tolist(), strict=True):
+            if tok != eos_token_id:
+                out[row].append(tok)
             if stop:
                 finish[row] = "stop"
-            else:
-                out[row].append(tok)
         keep = (~stopped).nonzero(as_tuple=True)[0]
         if keep.numel() == 0 or step == max_new_tokens - 1:
             break
@@ -148,6 +155,51 @@ def generate(
         last = logits[:, -1]
         next_pos = next_pos + 1
     return [Generation(tokens=t, finish_reason=f) for t, f in zip(out, finish, strict=True)]
+
+
+def generate_trajectories(model: CausalLM, tokenizer: CharTokenizer, task: ToolTask,
+                          prompts: list[list[int]], *, max_new_tokens: int, max_turns: int,
+                          temperature: float = 0.0, generator: torch.Generator | None = None,
+                          tool_timeout_s: float = 2.0) -> list[Generation]:
+    """Tool trajectories for ``prompts`` (one batch), as the rollouter's agent loop makes them:
+    each turn is generated for the rows still going until <eos> or a call's closing character;
+    a call is run (:meth:`ToolTask.observe`) and its observation appended; a row stops at <eos>
+    (``stop``), at ``max_new_tokens`` tokens in all or when its ``max_turns``-th turn ends in a
+    call (``length``). ``Generation.tokens`` hold the whole trajectory, observations included."""
+    close = tokenizer.encode(task.call_close)[0]
+    outs: list[list[int]] = [[] for _ in prompts]
+    finish = ["length"] * len(prompts)
+    active = list(range(len(prompts)))
+    for turn in range(max_turns):
+        room = max(max_new_tokens - len(outs[i]) for i in active)
+        gens = generate(model, [prompts[i] + outs[i] for i in active], max_new_tokens=room,
+                        eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, temperature=temperature,
+                        generator=generator, stop_token_ids=(close,))
+        going = []
+        for row, gen in zip(active, gens, strict=True):
+            turn_start = len(outs[row])
+            outs[row] += gen.tokens
+            called = gen.finish_reason == "stop" and bool(gen.tokens) and gen.tokens[-1] == close
+            if len(outs[row]) > max_new_tokens:  # a longer row's room: past this row's limit
+                outs[row] = outs[row][:max_new_tokens]
+                finish[row] = "length"
+            elif called:
+                if turn + 1 == max_turns or len(outs[row]) >= max_new_tokens:
+                    finish[row] = "length"
+                    continue
+                obs = task.observe(tokenizer.decode(outs[row][turn_start:]), tool_timeout_s)
+                outs[row] = (outs[row] + tokenizer.encode(obs.observation))[:max_new_tokens]
+                if len(outs[row]) >= max_new_tokens:
+                    finish[row] = "length"
+                else:
+                    going.append(row)
+            else:
+                finish[row] = gen.finish_reason
+        active = going
+        if not active:
+            break
+    return [Generation(tokens=t, finish_reason=f) for t, f in zip(outs, finish, strict=True)]
 
 
 def _bucket(rewards: list[float], lengths: list[int], truncated: list[bool]) -> BucketResult:
@@ -168,6 +220,7 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 0,
     max_new_tokens: int | None = None,
+    max_turns: int = 8,
 ) -> EvalResult:
     """Accuracy of ``model`` on ``n`` examples of ``task``'s ``split``, overall and per difficulty.
 
@@ -179,6 +232,8 @@ def evaluate(
         batch_size: prompts generated together (grouped by prompt length).
         temperature: 0 = greedy; > 0 samples with ``torch.Generator().manual_seed(seed)``.
         max_new_tokens: response limit; default ``task.max_response_chars() + 1`` (room for <eos>).
+            For a tool task it caps the trajectory (turns and observations together).
+        max_turns: tool tasks: most model turns per trajectory (:func:`generate_trajectories`).
     """
     examples = task.examples(split, n)
     if not examples:
@@ -192,10 +247,15 @@ def evaluate(
     gens: dict[int, Generation] = {}
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        batch = generate(model, [prompts[i] for i in idx], max_new_tokens=limit,
-                         eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, temperature=temperature,
-                         generator=generator)
+        if isinstance(task, ToolTask):
+            batch = generate_trajectories(model, tokenizer, task, [prompts[i] for i in idx],
+                                          max_new_tokens=limit, max_turns=max_turns,
+                                          temperature=temperature, generator=generator)
+        else:
+            batch = generate(model, [prompts[i] for i in idx], max_new_tokens=limit,
+                             eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, temperature=temperature,
+                             generator=generator)
         gens.update(zip(idx, batch, strict=True))
     model.train(was_training)
 

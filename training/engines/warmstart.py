@@ -29,7 +29,7 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +44,7 @@ from training.fileio import replace_dir
 from training.paths import cache_dir
 from training.tasks.registry import Task, get_task
 from training.tasks.tokenizer import CharTokenizer
+from training.tasks.tools import ToolTask
 
 # Bump when the training code changes in a way that changes its result: old cache entries are
 # then never reused.
@@ -186,16 +187,27 @@ class WarmStartResult:
 
 
 def collate(tokenizer: CharTokenizer, prompts: list[str],
-            responses: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+            responses: Sequence[str | Sequence[tuple[str, bool]]]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forcing batch: input_ids (B, S) = ``<bos> prompt response <eos>`` right-padded, and
     labels (B, S) = the next token at each position where that token is part of the response
-    (incl. <eos>), ``-100`` elsewhere (prompt, padding) — so logits[:, t] predicts labels[:, t]."""
+    (incl. <eos>), ``-100`` elsewhere (prompt, padding) — so logits[:, t] predicts labels[:, t].
+    A response may be (text, trained) segments (a tool trajectory): the tokens of a segment
+    with trained False (a tool's observation) are context only, labelled ``-100``."""
     seqs, targets = [], []
     for prompt, response in zip(prompts, responses, strict=True):
         p = tokenizer.encode(prompt, add_bos=True)
-        r = [*tokenizer.encode(response), tokenizer.eos_token_id]
+        segments = [(response, True)] if isinstance(response, str) else list(response)
+        r: list[int] = []
+        label: list[int] = []
+        for text, trained in segments:
+            ids = tokenizer.encode(text)
+            r += ids
+            label += ids if trained else [IGNORE] * len(ids)
+        r.append(tokenizer.eos_token_id)
+        label.append(tokenizer.eos_token_id)
         seqs.append(p + r[:-1])
-        targets.append([IGNORE] * (len(p) - 1) + r)
+        targets.append([IGNORE] * (len(p) - 1) + label)
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(seqs), width), IGNORE, dtype=torch.long)
@@ -248,7 +260,8 @@ def train_supervised(model: CausalLM, tokenizer: CharTokenizer, task: Task,
     for step in range(steps):
         examples = _batch_examples(task, cfg, step, rng)
         ids, labels = collate(tokenizer, [ex.prompt for ex in examples],
-                              [task.reference_response(ex) for ex in examples])
+                              [task.reference_segments(ex) if isinstance(task, ToolTask)
+                               else task.reference_response(ex) for ex in examples])
         logits, _ = model(ids)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)

@@ -60,6 +60,7 @@ from training.runtime.pipeline import Dispatcher, StalenessController
 from training.runtime.types import Group, RolloutState, Sample
 from training.tasks.registry import Example, Task, get_task, stable_hash
 from training.tasks.tokenizer import CharTokenizer
+from training.tasks.tools import ToolTask
 
 __all__ = ["Rollouter", "build_task", "example_for_group"]
 
@@ -110,8 +111,12 @@ class _Response:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    turn: int = 0
     finish_reason: str = "abort"
     _routes: list[np.ndarray] = field(default_factory=list)
+    _route_rows: int = 0
 
     def add(self, res: GenerateResult, moe: bool) -> None:
         """Append ``res``'s tokens; raises :class:`RolloutEngineError` (leaving the response
@@ -124,8 +129,10 @@ class _Response:
                 f"{len(res.output_logprobs or [])} log-probs and "
                 f"{len(res.output_token_weight_versions)} weight versions")
         if moe:
-            # rows cover positions 0 .. P+O−2 of this request: keep from the first new one on
-            start = self.prompt_len + len(self.output_ids) - 1 if self.output_ids else 0
+            # rows cover positions 0 .. P+O−2 of this request: keep from the first one not kept
+            # yet (a resumed piece re-prefills earlier tokens; a tool observation's positions
+            # were first computed by the request that follows it)
+            start = self._route_rows
             end = self.prompt_len + len(self.output_ids) + len(res.output_ids) - 1
             routes = res.routed_experts
             if routes is None or len(routes) < end:
@@ -134,10 +141,23 @@ class _Response:
                     f"for {res.prompt_tokens} prompt + {res.completion_tokens} output tokens, "
                     f"expected {end}; is --enable-return-routed-experts set?")
             self._routes.append(routes[start:end])
+            self._route_rows = end
         self.output_ids += [int(t) for t in res.output_ids]
         self.logprobs += [float(x) for x in (res.output_logprobs or [])]
         self.versions += [int(v) for v in res.output_token_weight_versions]
+        self.mask += [1] * o
+        self.turn_ids += [self.turn] * o
         self.finish_reason = res.finish_reason
+
+    def add_observation(self, ids: list[int]) -> None:
+        """Append a tool observation: not the policy's tokens (loss mask 0, log-prob 0), with the
+        version of the token before it and the turn it answers."""
+        version = self.versions[-1] if self.versions else 0
+        self.output_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+        self.mask += [0] * len(ids)
+        self.turn_ids += [self.turn] * len(ids)
 
     def routes(self) -> np.ndarray | None:
         return np.concatenate(self._routes) if self._routes else None
@@ -167,6 +187,12 @@ class Rollouter:
         self.recipe = recipe
         self.task = build_task(self.recipe)
         self.tokenizer = CharTokenizer()
+        # a tool task's turns also stop at the closing character of a call
+        self.call_close_id: int | None = None
+        self.stop_ids: tuple[int, ...] = (self.tokenizer.eos_token_id,)
+        if isinstance(self.task, ToolTask):
+            self.call_close_id = self.tokenizer.encode(self.task.call_close)[0]
+            self.stop_ids = (self.tokenizer.eos_token_id, self.call_close_id)
         self.urls = list(urls)
         self.control_urls = list(control_urls) if control_urls else None
         self.buffer = buffer
@@ -213,7 +239,7 @@ class Rollouter:
         self._idle_since: float | None = time.monotonic()
         self.counters = dict(samples_generated=0, tokens_generated=0, sample_retries=0,
                              groups_completed=0, partial_samples=0, syncs=0,
-                             resumed_requests=0)
+                             resumed_requests=0, tool_calls=0, tool_errors=0, tool_timeouts=0)
         self._sync_times: list[float] = []
         self._wait_times: list[float] = []
 
@@ -308,81 +334,120 @@ class Rollouter:
             task.add_done_callback(self._tasks.discard)
 
     def _request(self, gid: int, idx: int, attempt: int,
-                 done: list[int] | None = None) -> GenerateRequest:
-        """The request for sample ``idx`` of group ``gid``; ``done``: response tokens an
-        interrupted request already produced (abort_resume), sent after the prompt."""
+                 done: list[int] | None = None, turn: int = 0) -> GenerateRequest:
+        """The request for sample ``idx`` of group ``gid``; ``done``: response tokens so far (an
+        interrupted request's, abort_resume, and earlier turns with their tool observations),
+        sent after the prompt."""
         pend = self._groups[gid]
         r = self.recipe.rollout
         done = done or []
         sampling = SamplingParams(
             max_new_tokens=r.max_response_tokens - len(done), temperature=r.temperature,
-            top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_token_id,),
-            seed=stable_hash(self.recipe.seed, "sample", gid, idx, attempt) % 2**31)
+            top_p=r.top_p, stop_token_ids=self.stop_ids,
+            seed=(stable_hash(self.recipe.seed, "sample", gid, idx, attempt) if turn == 0 else
+                  stable_hash(self.recipe.seed, "sample", gid, idx, attempt, "turn", turn))
+            % 2**31)
         expected = self.dispatcher.expected_length(pend.example.id)
         return GenerateRequest(input_ids=pend.prompt_ids + done, sampling=sampling,
                                return_routed_experts=self.moe,
                                expected_new_tokens=None if expected is None else
                                max(1, int(expected) + 1 - len(done)))
 
+    async def _generate_turn(self, gid: int, idx: int, response: _Response,
+                             attempt: int) -> tuple[int, GenerateResult]:
+        """Generate one model turn of sample ``idx`` of group ``gid`` onto ``response``: until a
+        stop token (<eos>, or a tool call's closing character for a tool task) or the token
+        limit, across engine failures (retried on another engine) and syncs (abort_resume: the
+        interrupted piece is kept and the rest asked for under the new weights). ``attempt``
+        counts requests sent for the sample; returns it and the last result."""
+        limit = self.recipe.rollout.max_response_tokens
+        while True:
+            attempt += 1
+            assert self.client is not None
+            syncs = self.counters["syncs"]
+            try:
+                res = (await self.client.generate_one(self._request(
+                    gid, idx, attempt, response.output_ids, response.turn)))[0]
+            except RolloutEngineError as e:
+                self.counters["sample_retries"] += 1
+                log.warning("sample %d/%d failed on every engine (%s); retrying", gid, idx, e)
+                await asyncio.sleep(min(2.0, 0.2 * attempt))
+                continue
+            if res.aborted and self.interrupt != "abort_resume":
+                # an engine dropped it mid-way (retract mode): redo the turn whole
+                self.counters["sample_retries"] += 1
+                continue
+            kept = len(response.output_ids)
+            if res.output_ids or not res.aborted:
+                try:
+                    response.add(res, self.moe)
+                except RolloutEngineError as e:
+                    # e.g. SGLang: a request retracted under KV-cache pressure and aborted
+                    # while queued returns its tokens without routed experts, which R3
+                    # needs: that piece is generated again
+                    self.counters["sample_retries"] += 1
+                    log.warning("sample %d/%d: %s; generating that part again", gid, idx, e)
+                    await asyncio.sleep(min(2.0, 0.2 * attempt))
+                    continue
+            if not res.aborted:
+                return attempt, res
+            # abort_resume: interrupted by a sync (or an engine going down); the tokens are
+            # kept, and the rest is asked for under the weights the engines hold once the
+            # sync is over
+            if len(response.output_ids) > kept and response.output_ids[-1] in self.stop_ids:
+                response.finish_reason = "stop"  # it ended as it was aborted
+                return attempt, res
+            if len(response.output_ids) >= limit:
+                response.finish_reason = "length"
+                return attempt, res
+            if len(response.output_ids) == kept and not self._syncing \
+                    and self.counters["syncs"] == syncs:
+                # aborted with nothing new and no sync since it was sent: the engine
+                # refused it (e.g. SGLang aborts a request it cannot admit)
+                self.counters["sample_retries"] += 1
+                log.warning("sample %d/%d was aborted by the engine (%s); retrying", gid,
+                            idx, res.finish_detail.get("message", "no message"))
+                await asyncio.sleep(min(2.0, 0.2 * attempt))
+            while self._syncing and not self._stopping:
+                await asyncio.sleep(0.005)
+            if response.output_ids:
+                self.counters["resumed_requests"] += 1
+
     async def _run_sample(self, gid: int, idx: int) -> None:
         pend = self._groups[gid]
         submitted = time.time()
-        attempt = 0
         response = _Response(len(pend.prompt_ids))
-        limit = self.recipe.rollout.max_response_tokens
+        r = self.recipe.rollout
+        limit = r.max_response_tokens
+        tools = self.task if isinstance(self.task, ToolTask) else None
+        calls = errors = timeouts = 0
         try:
-            while True:
-                attempt += 1
-                assert self.client is not None
-                syncs = self.counters["syncs"]
-                try:
-                    res = (await self.client.generate_one(
-                        self._request(gid, idx, attempt, response.output_ids)))[0]
-                except RolloutEngineError as e:
-                    self.counters["sample_retries"] += 1
-                    log.warning("sample %d/%d failed on every engine (%s); retrying", gid, idx, e)
-                    await asyncio.sleep(min(2.0, 0.2 * attempt))
-                    continue
-                if res.aborted and self.interrupt != "abort_resume":
-                    # an engine dropped it mid-way (retract mode): redo it whole
-                    self.counters["sample_retries"] += 1
-                    continue
-                kept = len(response.output_ids)
-                if res.output_ids or not res.aborted:
-                    try:
-                        response.add(res, self.moe)
-                    except RolloutEngineError as e:
-                        # e.g. SGLang: a request retracted under KV-cache pressure and aborted
-                        # while queued returns its tokens without routed experts, which R3
-                        # needs: that piece is generated again
-                        self.counters["sample_retries"] += 1
-                        log.warning("sample %d/%d: %s; generating that part again", gid, idx, e)
-                        await asyncio.sleep(min(2.0, 0.2 * attempt))
-                        continue
-                if not res.aborted:
+            attempt, res = 0, None
+            while True:  # one model turn, then (tool tasks) the tool's observation
+                turn_start = len(response.output_ids)
+                attempt, res = await self._generate_turn(gid, idx, response, attempt)
+                ids = response.output_ids
+                if tools is None or response.finish_reason != "stop" or not ids or \
+                        ids[-1] != self.call_close_id:
                     break
-                # abort_resume: interrupted by a sync (or an engine going down); the tokens are
-                # kept, and the rest is asked for under the weights the engines hold once the
-                # sync is over
-                if response.output_ids and \
-                        response.output_ids[-1] == self.tokenizer.eos_token_id:
-                    response.finish_reason = "stop"  # it ended as it was aborted
+                if response.turn + 1 >= r.max_turns or len(ids) >= limit:
+                    response.finish_reason = "length"  # no turn left for the answer
                     break
+                outcome = await asyncio.to_thread(
+                    tools.observe, self.tokenizer.decode(ids[turn_start:]), r.tool_timeout_s)
+                calls += 1
+                errors += outcome.status == "error"
+                timeouts += outcome.status == "timeout"
+                observation = self.tokenizer.encode(outcome.observation)
+                response.add_observation(observation[:limit - len(ids)])
                 if len(response.output_ids) >= limit:
                     response.finish_reason = "length"
                     break
-                if len(response.output_ids) == kept and not self._syncing \
-                        and self.counters["syncs"] == syncs:
-                    # aborted with nothing new and no sync since it was sent: the engine
-                    # refused it (e.g. SGLang aborts a request it cannot admit)
-                    self.counters["sample_retries"] += 1
-                    log.warning("sample %d/%d was aborted by the engine (%s); retrying", gid,
-                                idx, res.finish_detail.get("message", "no message"))
-                    await asyncio.sleep(min(2.0, 0.2 * attempt))
-                while self._syncing and not self._stopping:
-                    await asyncio.sleep(0.005)
-                if response.output_ids:
-                    self.counters["resumed_requests"] += 1
+                response.turn += 1
+                if self.partial_rollout:  # the next turn starts under the weights being loaded
+                    while self._syncing and not self._stopping:
+                        await asyncio.sleep(0.005)
+            assert res is not None
             text = self.tokenizer.decode(response.output_ids)
             reward = self.task.reward(pend.example, text)
             sample = Sample(
@@ -390,12 +455,17 @@ class Rollouter:
                 prompt_ids=list(pend.prompt_ids), response_ids=list(response.output_ids),
                 rollout_log_probs=list(response.logprobs),
                 token_versions=list(response.versions),
-                loss_mask=[1] * len(response.output_ids), reward=float(reward),
+                loss_mask=list(response.mask), reward=float(reward),
                 difficulty=pend.example.difficulty, finish_reason=response.finish_reason,
                 routes=response.routes() if self.moe else None, engine_url=res.engine_url,
-                submitted_at=submitted, finished_at=time.time(), attempts=attempt)
+                submitted_at=submitted, finished_at=time.time(), attempts=attempt,
+                turn_ids=list(response.turn_ids) if tools is not None else [],
+                tool_calls=calls, tool_errors=errors, tool_timeouts=timeouts)
             self.counters["samples_generated"] += 1
-            self.counters["tokens_generated"] += len(response.output_ids)
+            self.counters["tokens_generated"] += sum(response.mask)
+            self.counters["tool_calls"] += calls
+            self.counters["tool_errors"] += errors
+            self.counters["tool_timeouts"] += timeouts
             if sample.spans_sync:
                 self.counters["partial_samples"] += 1
             self.dispatcher.complete(gid, idx, len(response.output_ids))
@@ -522,15 +592,33 @@ class Rollouter:
         examples = self.task.examples("eval", n)
         r = self.recipe.rollout
 
+        tools = self.task if isinstance(self.task, ToolTask) else None
+
         async def one(ex: Example) -> tuple[Example, float, int, bool]:
-            sampling = SamplingParams(max_new_tokens=r.max_response_tokens, temperature=0.0,
-                                      stop_token_ids=(self.tokenizer.eos_token_id,))
-            req = GenerateRequest(input_ids=self.tokenizer.encode(ex.prompt, add_bos=True),
-                                  sampling=sampling, return_logprob=False)
-            res = (await self.client.generate_one(req))[0]  # type: ignore[union-attr]
-            text = self.tokenizer.decode(res.output_ids)
-            return ex, self.task.reward(ex, text), len(res.output_ids), res.finish_reason == \
-                "length"
+            prompt = self.tokenizer.encode(ex.prompt, add_bos=True)
+            out: list[int] = []
+            for turn in range(r.max_turns if tools is not None else 1):
+                sampling = SamplingParams(max_new_tokens=r.max_response_tokens - len(out),
+                                          temperature=0.0, stop_token_ids=self.stop_ids)
+                req = GenerateRequest(input_ids=prompt + out, sampling=sampling,
+                                      return_logprob=False)
+                res = (await self.client.generate_one(req))[0]  # type: ignore[union-attr]
+                start, out = len(out), out + list(res.output_ids)
+                truncated = res.finish_reason == "length"
+                if tools is None or truncated or not out or out[-1] != self.call_close_id:
+                    break
+                truncated = turn + 1 == r.max_turns
+                if truncated:
+                    break
+                outcome = await asyncio.to_thread(tools.observe,
+                                                  self.tokenizer.decode(out[start:]),
+                                                  r.tool_timeout_s)
+                out += self.tokenizer.encode(outcome.observation)
+                if len(out) >= r.max_response_tokens:
+                    out, truncated = out[:r.max_response_tokens], True
+                    break
+            text = self.tokenizer.decode(out)
+            return ex, self.task.reward(ex, text), len(out), truncated
 
         rows = await asyncio.gather(*(one(ex) for ex in examples))
         out: dict[str, float] = {}

@@ -41,6 +41,11 @@ class Sample:
     engine_url: which engine produced (most of) it.
     submitted_at / finished_at: wall-clock times (time.time()).
     attempts: sends of the request (> 1 when an engine died and the router retried it).
+    turn_ids: (O,) the model turn of each response token in a tool trajectory (0 = before the
+        first tool observation); a tool's observation tokens carry the turn they answer. Empty
+        for a single-turn response (every token turn 0).
+    tool_calls / tool_errors / tool_timeouts: tool calls the trajectory made, and how many of
+        them gave an error or ran out of time (their observation says so).
     """
 
     group_id: int
@@ -59,6 +64,10 @@ class Sample:
     submitted_at: float = 0.0
     finished_at: float = 0.0
     attempts: int = 1
+    turn_ids: list[int] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
 
     @property
     def response_len(self) -> int:
@@ -76,6 +85,11 @@ class Sample:
     def spans_sync(self) -> bool:
         """True for a partial rollout: its tokens came from more than one weight version."""
         return len(set(self.token_versions)) > 1
+
+    @property
+    def turns(self) -> int:
+        """Model turns in the response (1 for a single-turn response)."""
+        return max(self.turn_ids) + 1 if self.turn_ids else 1
 
     def finite(self) -> bool:
         """Reward and every counted log-prob are finite numbers."""

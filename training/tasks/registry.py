@@ -100,7 +100,7 @@ def check_split(split: str) -> Split:
     return split  # type: ignore[return-value]
 
 
-BUILTIN_TASK_MODULES = ("training.tasks.sum_digits", "training.tasks.jsonl")
+BUILTIN_TASK_MODULES = ("training.tasks.sum_digits", "training.tasks.jsonl", "training.tasks.tools")
 
 
 def load_builtin_tasks() -> None:

@@ -20,9 +20,9 @@ def test_builtin_tasks_are_registered():
 
 
 def test_unknown_names_list_the_valid_ones():
-    with pytest.raises(KeyError, match=r"unknown task 'nope'; valid names: jsonl, sum_digits"):
+    with pytest.raises(KeyError, match=r"unknown task 'nope'; valid names: calc_chain, jsonl, sum_digits"):
         get_task("nope")
-    with pytest.raises(KeyError, match=r"valid names: exact_match, final_number, numeric"):
+    with pytest.raises(KeyError, match=r"valid names: exact_match, final_number, numeric, tool_answer"):
         REWARDS.get("eval('1')")
     with pytest.raises(KeyError, match="unknown reward function"):
         get_task("sum_digits", reward="__import__('os')")
@@ -38,6 +38,7 @@ def test_every_reward_scores_right_wrong_and_malformed():
         "exact_match": (("17", "17"), ("18", "17"), ("", "17")),
         "numeric": ((" 17.0 ", "17"), ("16.9", "17"), ("17 apples", "17")),
         "final_number": (("3,8,17", "17"), ("3,8,18", "17"), ("3,8,", "17")),
+        "tool_answer": (("[9+8]{17}17", "17"), ("[9+8]{17}18", "17"), ("[9+8]{17}", "17")),
     }
     assert set(cases) == set(REWARDS.names())
     for name, (right, wrong, malformed) in cases.items():
