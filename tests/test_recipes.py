@@ -22,9 +22,10 @@ def test_the_six_recipes_exist():
 def test_recipe_loads_and_matches_its_file_name(path):
     recipe = load_recipe(path)
     assert recipe.name == path.stem
-    mode = path.stem.removesuffix("-moe").removesuffix("-megatron")
+    mode = path.stem.removesuffix("-moe").removesuffix("-megatron").removesuffix("-tools")
     assert recipe.mode == mode
-    assert recipe.task.name == "sum_digits"
+    # the -tools recipe runs the multi-turn tool task, every other one sum_digits
+    assert recipe.task.name == ("calc_chain" if path.stem.endswith("-tools") else "sum_digits")
     assert isinstance(recipe.model, WarmStartModel)
     assert recipe.is_moe == path.stem.endswith("-moe")
     if recipe.is_moe:
@@ -82,7 +83,9 @@ def test_recipes_are_small(path):
     """Sized for 20 steps in a few minutes on 2 CPU cores (see each header)."""
     r = load_recipe(path)
     assert r.steps == 20 and r.samples_per_step <= 64
-    assert r.rollout.max_response_tokens <= 32 and r.engines.num_rollout_engines == 2
+    # a tool trajectory holds its calls, observations and answer: 41 tokens at most for calc_chain
+    cap = 48 if path.stem.endswith("-tools") else 32
+    assert r.rollout.max_response_tokens <= cap and r.engines.num_rollout_engines == 2
     assert (r.eval.every, r.eval.n) == (10, 64)
     assert recipe_from_dict(r.to_dict()).hash() == r.hash()
 

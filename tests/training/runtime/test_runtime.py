@@ -142,6 +142,33 @@ def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     assert rows[-1]["dispatch/probes"] > 0 and rows[-1]["dispatch/cache_hits"] > 0
 
 
+def test_fully_async_tool_trajectories_end_to_end(ray_session, tmp_path):
+    """The agentic task through the whole runtime: calc_chain trajectories (calls, observations
+    with loss mask 0) under fully async with partial rollout; the source-5 split is logged."""
+    recipe = tiny("fully_async", 6,
+                  task={"name": "calc_chain"},
+                  rollout={"n": N, "batch_prompts": PROMPTS, "max_response_tokens": 48,
+                           "max_turns": 6},
+                  **{"async": {"mode": "fully_async", "staleness_threshold": 1.0,
+                               "partial_rollout": True, "max_off_policy_steps": 2}})
+    res = run_recipe(recipe, out=tmp_path / "run")
+    rows = step_rows(res.run_dir)
+    assert len(rows) == 6
+    check_counts(rows)
+    assert all(r["tool/calls_per_sample"] > 0 for r in rows)
+    assert all(r["tool/pre_tool/tokens"] > 0 and r["tool/post_tool/tokens"] > 0 for r in rows)
+    # the loss tokens are split exactly: observations are in neither part
+    for r in rows:
+        assert "tool/post_tool/mismatch/engine/logprob_abs_diff/mean" in r
+        assert r["tool/pre_tool/tokens"] + r["tool/post_tool/tokens"] < r["async/batch_tokens"]
+    assert rows[-1]["async/rollouter/tool_calls"] > 0
+    # partial rollout cut trajectories; each cut one inside a turn, between turns, or both
+    for r in rows:
+        cuts = r["tool/partial_within_turn"] + r["tool/partial_between_turns"]
+        assert r["async/partial_samples"] <= cuts <= 2 * r["async/partial_samples"]
+    assert sum(r["async/partial_samples"] for r in rows) > 0
+
+
 def test_split_stale_drops_exactly_the_too_old_samples():
     def sample(gid, idx, versions):
         return Sample(group_id=gid, sample_index=idx, prompt_id="p", prompt_ids=[1],

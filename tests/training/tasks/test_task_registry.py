@@ -20,9 +20,11 @@ def test_builtin_tasks_are_registered():
 
 
 def test_unknown_names_list_the_valid_ones():
-    with pytest.raises(KeyError, match=r"unknown task 'nope'; valid names: calc_chain, jsonl, sum_digits"):
+    with pytest.raises(KeyError,
+                       match=r"unknown task 'nope'; valid names: calc_chain, jsonl, sum_digits"):
         get_task("nope")
-    with pytest.raises(KeyError, match=r"valid names: exact_match, final_number, numeric, tool_answer"):
+    with pytest.raises(KeyError,
+                       match=r"valid names: exact_match, final_number, numeric, tool_answer"):
         REWARDS.get("eval('1')")
     with pytest.raises(KeyError, match="unknown reward function"):
         get_task("sum_digits", reward="__import__('os')")
