@@ -1216,7 +1216,9 @@ class Learner:
         tokens (``tool/pre_tool/...``, ``tool/post_tool/...``; post-tool tokens are expected to
         show larger ratios and more clipping), their token counts, and the batch's tool use
         (``tool/calls_per_sample``, ``tool/error_rate``, ``tool/timeout_rate``,
-        ``tool/turns_mean``)."""
+        ``tool/turns_mean``), and the trajectories partial rollout cut inside a turn
+        (``tool/partial_within_turn``) and between turns (``tool/partial_between_turns``: the
+        turn after a call went on under newer weights)."""
         assert packed.turns is not None
         mask = packed.batch.response_mask
         mu = packed.rollout_log_prob
@@ -1253,6 +1255,14 @@ class Learner:
         out["tool/error_rate"] = sum(s.tool_errors for s in samples) / max(calls, 1)
         out["tool/timeout_rate"] = sum(s.tool_timeouts for s in samples) / max(calls, 1)
         out["tool/turns_mean"] = sum(s.turns for s in samples) / max(len(samples), 1)
+        within = between = 0
+        for s in samples:  # where partial rollout cut a trajectory: inside a turn, or at a call
+            cut = [a for a in range(1, s.response_len) if s.loss_mask[a]
+                   and s.token_versions[a] != s.token_versions[a - 1]]
+            within += any(s.turn_ids[a] == s.turn_ids[a - 1] for a in cut)
+            between += any(s.turn_ids[a] != s.turn_ids[a - 1] for a in cut)
+        out["tool/partial_within_turn"] = float(within)
+        out["tool/partial_between_turns"] = float(between)
         return out
 
     @staticmethod
