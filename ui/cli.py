@@ -163,11 +163,11 @@ def _check_writable(out: Path) -> None:
 
 @app.command("warmstart")
 def warmstart(
-    task: str = typer.Argument(..., help="Registered task name: sum_digits, jsonl."),
+    task: str = typer.Argument(..., help="Registered task name: sum_digits, jsonl, calc_chain."),
     out: Path = typer.Option(..., "--out", help="Directory for the HF-format checkpoint."),
     task_arg: list[str] = typer.Option(
         [], "--task-arg", help="Task setting KEY=VALUE, repeatable: max_k=6 (sum_digits); "
-        "path=data.jsonl, reward=numeric (jsonl)."),
+        "path=data.jsonl, reward=numeric (jsonl); max_k=4, tool=calc (calc_chain)."),
     steps: int = typer.Option(700, help="Optimisation steps."),
     seed: int = typer.Option(0, help="Seeds the weights, the task split and the batches."),
     batch_size: int = typer.Option(64, help="Sequences per step."),
