@@ -81,3 +81,51 @@ def test_evaluate_rejects_an_empty_split(model, tmp_path):
         evaluate(model, TOK, SumDigitsTask(), "eval", 0)
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [[]], max_new_tokens=2, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def call_model():
+    """A random tiny model whose head prefers digits, '+', ']' and <eos>, so that its samples
+    are full of (mostly malformed, some valid) calculator calls."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=2, intermediate_size=64, max_position_embeddings=128)
+    m = CausalLM(cfg).init_weights(seed=2, std=0.3)
+    favoured = [TOK.eos_token_id, *TOK.encode("12+[]")]
+    with torch.no_grad():
+        keep = m.lm_head.weight[favoured].clone()
+        m.lm_head.weight.zero_()
+        m.lm_head.weight[favoured] = keep
+    return m.eval()
+
+
+def test_tool_trajectories_run_the_agent_loop(call_model):
+    """Every turn that ends in ']' is followed by exactly the observation the tool gives for it,
+    the trajectory stays within its token and turn limits, and the last turn decides the finish."""
+    from training.engines.evaluate import generate_trajectories
+    from training.tasks.tools import CalcChainTask
+
+    task = CalcChainTask()
+    prompts = [TOK.encode(ex.prompt, add_bos=True) for ex in task.examples("eval", 24)]
+    gens = generate_trajectories(call_model, TOK, task, prompts, max_new_tokens=40, max_turns=3,
+                                 temperature=1.0, generator=torch.Generator().manual_seed(0))
+    close = TOK.encode("]")[0]
+    calls = 0
+    for gen in gens:
+        assert len(gen.tokens) <= 40
+        text, turns, rest = TOK.decode(gen.tokens), 1, TOK.decode(gen.tokens)
+        while "]" in rest:
+            call, rest = rest.split("]", 1)
+            want = task.observe(call + "]", 2.0).observation
+            if not rest:  # the trajectory ended on a call: no turn or no token left
+                assert gen.finish_reason == "length"
+                break
+            assert want.startswith(rest[:len(want)]) and (rest.startswith(want) or
+                                                          len(text) == 40)
+            rest = rest[len(want):]
+            calls += 1
+            turns += 1
+        assert turns <= 3
+        if gen.finish_reason == "stop":
+            assert not gen.tokens or gen.tokens[-1] != close
+    assert calls > 0
