@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from training.algorithms.advantages import (
@@ -97,3 +98,70 @@ def test_turn_tensor_of_a_batch():
     assert _turn_tensor([sample([], 2)], (1, 3)) is None
     t = _turn_tensor([sample([0, 0, 1], 3), sample([], 1)], (2, 4))
     assert t is not None and t.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
+
+
+def test_learner_splits_every_family_at_the_first_tool_observation():
+    """Hand-built tool trajectories through a real learner step: each tool/{pre,post}_tool/*
+    figure equals the same statistic recomputed from the step's own tensors on that part."""
+    from training.engines.embedded.trainer import EmbeddedTrainEngine
+    from training.engines.model import ModelConfig
+    from training.engines.train import OptimConfig, TokenBatch
+    from training.runtime.learner import Learner
+    from training.runtime.types import Group
+
+    v = 100
+    engine = EmbeddedTrainEngine.from_config(
+        ModelConfig(vocab_size=v, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2,
+                    intermediate_size=40), seed=0, optim=OptimConfig(lr=1e-2))
+    g = torch.Generator().manual_seed(0)
+    # response: turn 0 (3 tokens), observation (2 tokens, mask 0), turn 1 (3 tokens incl. eos)
+    mask = [1, 1, 1, 0, 0, 1, 1, 1]
+    turn_ids = [0, 0, 0, 0, 0, 1, 1, 1]
+    groups = []
+    for gi in range(2):
+        samples = []
+        for j in range(3):
+            response = [*torch.randint(4, v, (7,), generator=g).tolist(), 2]
+            samples.append(Sample(
+                group_id=gi, sample_index=j, prompt_id=f"p{gi}", prompt_ids=[1, 5, 6],
+                response_ids=response, rollout_log_probs=[0.0] * 8,
+                token_versions=[engine.weight_version] * 8, loss_mask=mask,
+                reward=float((gi + j) % 2), turn_ids=turn_ids, tool_calls=1,
+                tool_errors=int(j == 0)))
+        groups.append(Group(group_id=gi, prompt_id=f"p{gi}", difficulty=0, answer="",
+                            submit_step=0, samples=samples))
+    flat = [s for grp in groups for s in grp.samples]
+    batch = TokenBatch.from_sequences([s.prompt_ids for s in flat], [s.response_ids for s in flat])
+    lps = engine.compute_log_probs(batch).log_probs
+    noise = torch.Generator().manual_seed(1)
+    for i, s in enumerate(flat):  # μ off by a little before the call, by more after it
+        jitter = torch.randn(8, generator=noise) * torch.tensor([0.02] * 5 + [0.3] * 3)
+        s.rollout_log_probs = (lps[i, :8] + jitter).tolist()
+    recipe = recipe_from_dict({"rollout": {"n": 3},
+                               "algorithm": {"old_logprob": "recompute",
+                                             "correction": {"kind": "compis"}}})
+    result = Learner(engine, recipe, keep_tensors=True).step(groups, step=0)
+    assert result.trained
+    m, dbg = result.metrics, result.debug
+    assert dbg is not None
+    loss_mask = torch.tensor([mask] * 6, dtype=torch.bool)
+    pre = loss_mask & (torch.tensor([turn_ids] * 6) == 0)
+    post = loss_mask & ~pre
+    for name, part in (("pre_tool", pre), ("post_tool", post)):
+        diff = (dbg["old_log_prob"] - dbg["rollout_log_prob"]).abs()
+        assert m[f"tool/{name}/tokens"] == float(part.sum())
+        assert m[f"tool/{name}/mismatch/engine/logprob_abs_diff/mean"] == pytest.approx(
+            float(diff[part].mean()), rel=1e-5)
+        ratio = torch.exp(dbg["current_log_prob"] - dbg["rollout_log_prob"])
+        outside = ((ratio < 0.8) | (ratio > 1.2)) & part
+        assert m[f"tool/{name}/clip_frac_vs_rollout"] == pytest.approx(
+            float(outside.sum()) / float(part.sum()))
+        engine_ratio = torch.exp(dbg["old_log_prob"] - dbg["rollout_log_prob"])[part]
+        assert m[f"tool/{name}/is/engine/ratio/max"] == pytest.approx(float(engine_ratio.max()),
+                                                                     rel=1e-5)
+    assert m["tool/post_tool/mismatch/engine/logprob_abs_diff/mean"] > \
+        m["tool/pre_tool/mismatch/engine/logprob_abs_diff/mean"]
+    assert m["tool/calls_per_sample"] == 1.0
+    assert m["tool/error_rate"] == pytest.approx(2 / 6)
+    assert m["tool/turns_mean"] == 2.0
+    assert (m["tool/partial_within_turn"], m["tool/partial_between_turns"]) == (0.0, 0.0)
