@@ -2,7 +2,7 @@
 rollout, checked token by token.
 
 The Rollouter (in-process, no Ray) generates calc_chain trajectories on a real fp32 embedded
-server while the test pushes new trainer weights three times with ``sync_weights`` (pause, load,
+server while the test pushes new trainer weights six times with ``sync_weights`` (pause, load,
 continue). Turns stop at the call's closing ``]``; the tool (here a calculator that sleeps on some
 calls, so that some calls time out) answers with an observation the rollouter appends with loss
 mask 0. Under ``old_logprob: snapshot`` the Learner's π_old must equal the trainer's log-probs at
@@ -98,7 +98,7 @@ def test_tool_trajectories_across_syncs(tool_ckpt, tmp_path, interrupt):
             rollouter = Rollouter(recipe, [server.url], buffer, None, version=v0)
             await rollouter.start()
             try:
-                for i in range(1, 4):  # three syncs while trajectories are being generated
+                for i in range(1, 7):  # six syncs while trajectories are being generated
                     _nudge(engine)
                     await _until_decoding(server.url)
                     path = tmp_path / f"v{engine.weight_version}"
@@ -190,7 +190,8 @@ def test_tool_trajectories_across_syncs(tool_ckpt, tmp_path, interrupt):
                 same_turn = s.turn_ids[a] == s.turn_ids[a - 1]
                 within += same_turn
                 between += not same_turn
-    assert within > 0, "no sync caught a tool trajectory mid-turn"
-    assert between > 0, "no trajectory went on under new weights after a tool call"
+    seen = f"{len(multi)} trajectories with calls, {within} cut inside a turn, {between} between"
+    assert within > 0, f"no sync caught a tool trajectory mid-turn ({seen})"
+    assert between > 0, f"no trajectory went on under new weights after a tool call ({seen})"
     if interrupt == "abort_resume":
         assert stats["async/rollouter/resumed_requests"] > 0
