@@ -7,9 +7,15 @@ would otherwise keep snapshots it never reads) — and prints one row per strate
 
 - ``held``: parameter copies kept for old policies beside the trainer's live weights
   (``old/held_bytes``: retained snapshots and the shadow model that runs them, the EWMA
-  reference, the dedicated old-logit model), in KiB and in copies of the model;
+  reference, the dedicated old-logit model; plus, under ``interrupt``, the rollouter's copy of
+  the served weights, ``async/old_logit_held_bytes``), in KiB and in copies of the model;
 - ``step_s``: mean trainer step time in the trainer actor (``async/trainer_step_time_s``, steps
-  after the first) and ``old_s``, the dedicated model's share (``old/dedicated_s``);
+  after the first) and ``old_s``, the dedicated model's share (``old/dedicated_s``) or, under
+  ``interrupt``, the rollouter's π_old forwards per step (``async/old_logit_s`` over the run
+  / steps; they run beside training, not in the step);
+- ``stall``: ``interrupt`` only, the mean time each weight sync stalls generation for π_old
+  (``async/old_logit_interrupt_s``: waiting for the aborted tokens, their forward, loading the
+  copy), beside the sync's own load (``async/weight_sync_s``);
 - ``exact``: the share of loss tokens whose π_old is the trainer at the token's own behaviour
   version (``old/exact_frac``), and the dedicated model's fallback share;
 - ``|π_old−exact|``: mean |π_old − μ| (``mismatch/engine/logprob_abs_diff/mean``). The rollout
@@ -21,6 +27,7 @@ would otherwise keep snapshots it never reads) — and prints one row per strate
     python benchmarks/old_logprob.py                      # 8 steps × 8 prompts × 4 (~1 min)
     python benchmarks/old_logprob.py --quick              # 4 steps
     python benchmarks/old_logprob.py --strategies snapshot --rollout-dtype bf16   # engine gap
+    python benchmarks/old_logprob.py --strategies interrupt                        # one row
 
 The model is a small warm start (2 layers, d = 64, 600 supervised steps; built once under
 $ASYNCRL_HOME, ~4 min on 2 cores): the tests' 60-step one gets every sum wrong, so its groups
@@ -82,11 +89,19 @@ def measure(strategy: str, steps: int, prompts: int, n: int, lr: float, rollout_
     last = sorted((res.run_dir / "weights").glob("v*"), key=lambda p: int(p.name[1:]))[-1]
     model_bytes = sum(p.numel() * p.element_size()
                       for p in load_hf_dir(last).model.parameters())
+    held = _mean(rows, "old/held_bytes")
+    old_s = _mean(rows[1:], "old/dedicated_s")
+    fallback = _mean(rows, "old/dedicated_fallback_frac")
+    if strategy == "interrupt":
+        held += _mean(rows, "async/old_logit_held_bytes")
+        old_s = float(rows[-1]["async/old_logit_s"]) / len(rows)
+        fallback = _mean(rows, "old/interrupt_fallback_frac")
     return {
-        "held": _mean(rows, "old/held_bytes"), "copies": _mean(rows, "old/held_bytes")
-        / model_bytes, "step_s": _mean(rows[1:], "async/trainer_step_time_s"),
-        "old_s": _mean(rows[1:], "old/dedicated_s"), "exact": _mean(rows, "old/exact_frac"),
-        "fallback": _mean(rows, "old/dedicated_fallback_frac"),
+        "held": held, "copies": held / model_bytes,
+        "step_s": _mean(rows[1:], "async/trainer_step_time_s"),
+        "old_s": old_s, "exact": _mean(rows, "old/exact_frac"), "fallback": fallback,
+        "stall": _mean(rows, "async/old_logit_interrupt_s"),
+        "sync": _mean(rows, "async/weight_sync_s"),
         "diff": _mean(rows, "mismatch/engine/logprob_abs_diff/mean"),
         "staleness": _mean(rows, "async/staleness/mean"),
         "partial": _mean(rows, "async/partial_ratio"), "wall": time.monotonic() - t0}
@@ -126,13 +141,14 @@ def main() -> None:
           f"rollouts, max_off_policy_steps 2), {args.rollout_dtype} rollouts, lr {args.lr:g}, "
           "correction none\n")
     print(f"{'strategy':<12} {'held KiB':>9} {'copies':>6} {'step_s':>7} {'old_s':>6} "
-          f"{'exact':>6} {'fallbk':>6} {'|π_old−exact|':>13} {'stale':>6} {'partial':>7}")
+          f"{'exact':>6} {'fallbk':>6} {'|π_old−exact|':>13} {'stale':>6} {'partial':>7} "
+          f"{'stall':>6} {'sync_s':>6}")
     for strategy, r in rows.items():
-        old_s = "-" if r["old_s"] != r["old_s"] else f"{r['old_s']:.3f}"
-        fallback = "-" if r["fallback"] != r["fallback"] else f"{r['fallback']:.3f}"
+        old_s, fallback, stall = ("-" if r[k] != r[k] else f"{r[k]:.3f}"
+                                  for k in ("old_s", "fallback", "stall"))
         print(f"{strategy:<12} {r['held'] / 1024:>9.1f} {r['copies']:>6.2f} {r['step_s']:>7.3f} "
               f"{old_s:>6} {r['exact']:>6.3f} {fallback:>6} {r['diff']:>13.2e} "
-              f"{r['staleness']:>6.2f} {r['partial']:>7.2f}")
+              f"{r['staleness']:>6.2f} {r['partial']:>7.2f} {stall:>6} {r['sync']:>6.3f}")
 
 
 if __name__ == "__main__":

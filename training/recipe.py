@@ -520,7 +520,8 @@ class FullyAsyncMode(_AsyncCommon):
         "abort in-flight requests, which return their tokens so far; after the load the "
         "rollouter sends prompt + those tokens back for the rest and labels each piece with the "
         "version that generated it. 'auto': retract on embedded engines, abort_resume on SGLang "
-        "(whose retract drops the routed experts recorded before the re-prefill)."))
+        "(whose retract drops the routed experts recorded before the re-prefill) and under "
+        "algorithm.old_logprob interrupt (which needs the tokens back at the pause)."))
 
     # the same questions _Lockstep answers, for streaming
     @property
@@ -842,10 +843,11 @@ class TurnSpec(_Strict):
         "aggregates (turn-level ratio isolation: one turn's mismatch does not weigh the others)."))
 
 
-OLD_LOGPROB_STRATEGIES = ("recompute", "snapshot", "dedicated", "ewma", "loglinear",
-                          "linear_prox", "bypass")
+OLD_LOGPROB_STRATEGIES = ("recompute", "snapshot", "dedicated", "interrupt", "ewma",
+                          "loglinear", "linear_prox", "bypass")
 # what each strategy's π_old is (seed 003): the meaning downstream code asks AlgorithmConfig for
-_OLD_EXACT = frozenset({"snapshot", "dedicated"})  # the trainer at each token's own version
+# the trainer at each token's own version
+_OLD_EXACT = frozenset({"snapshot", "dedicated", "interrupt"})
 _OLD_IS_ROLLOUT = frozenset({"loglinear", "linear_prox", "bypass"})  # π_old ≡ μ
 
 
@@ -856,8 +858,8 @@ class AlgorithmConfig(_Strict):
         "Advantage estimator and its settings."))
     loss: LossSpec = Field(default_factory=LossSpec, description=(
         "Policy loss, aggregation and clipping."))
-    old_logprob: Literal["recompute", "snapshot", "dedicated", "ewma", "loglinear",
-                         "linear_prox", "bypass"] = Field(
+    old_logprob: Literal["recompute", "snapshot", "dedicated", "interrupt", "ewma",
+                         "loglinear", "linear_prox", "bypass"] = Field(
         "snapshot", description=(
             "Where π_old and the PPO clip centre π_prox come from (seed 003): recompute = both "
             "the trainer weights the step starts from; snapshot = π_old exact (the trainer "
@@ -866,6 +868,14 @@ class AlgorithmConfig(_Strict):
             "the rollout engines (it holds the newest dedicated_versions of them; tokens of an "
             "older version take the step's start weights, counted in "
             "old/dedicated_fallback_frac; embedded trainer only), π_prox the step's start "
+            "weights; interrupt = π_old exact, computed by the rollouter before each version "
+            "leaves the engines (seed 003 §5.1, synchronization via partial rollout "
+            "interruption): it holds an fp32 copy of the served weights, and at a sync the "
+            "engines abort (async.interrupt abort_resume), it computes π_old of the tokens "
+            "generated so far, then loads the new weights; a finished sample gets the rest "
+            "(Sample.old_log_probs). A sample that arrives without them (not expected) falls "
+            "back to the step's start weights, counted in old/interrupt_fallback_frac; "
+            "embedded trainer, disk weight sync, no routing replay; π_prox the step's start "
             "weights; ewma = both the revised PPO-EWMA reference; loglinear = π_prox the A-3PO "
             "log-space interpolation log μ + α(log π_θ − log μ), π_old the rollout log-probs; "
             "linear_prox = π_prox AReaL's probability-space interpolation (1−α)μ + απ_θ with "
@@ -1101,6 +1111,10 @@ class Recipe(_Strict):
                              "model: megatron trains MoE layers under TP only with sequence "
                              "parallelism, which asyncrl does not run; split the experts with "
                              "expert_parallel (and data_parallel) and keep tensor_parallel: 1")
+        if self.algorithm.effective_old_logprob == "interrupt":
+            why = self._interrupt_refused()
+            if why is not None:
+                raise ValueError(why)
         if self.algorithm.old_logprob == "dedicated" and e.train != "embedded":
             raise ValueError(f"old_logprob: dedicated keeps its model copy beside the embedded "
                              f"trainer only, not engines.train: {e.train}; use old_logprob: "
@@ -1109,6 +1123,25 @@ class Recipe(_Strict):
             raise ValueError(f"data.max_in_flight={self.data.max_in_flight} is below the group "
                              f"size rollout.n={self.rollout.n}; raise it")
         return self
+
+    def _interrupt_refused(self) -> str | None:
+        """Why ``old_logprob: interrupt`` cannot run with the rest of the recipe (one line with
+        the fix), or None."""
+        e = self.engines
+        if e.train != "embedded":  # (also rules out weight_sync nccl, which needs megatron)
+            return (f"old_logprob: interrupt computes π_old with the embedded trainer's forward "
+                    f"in the rollouter, not engines.train: {e.train}'s; use old_logprob: "
+                    "snapshot")
+        if self.routing_replay != "none":
+            return (f"old_logprob: interrupt computes π_old with free routing, not routing_replay "
+                    f"{self.routing_replay}; set algorithm.routing_replay: none or use "
+                    "old_logprob: snapshot")
+        a = self.async_
+        if isinstance(a, FullyAsyncMode) and a.partial_rollout and a.interrupt == "retract":
+            return ("old_logprob: interrupt needs the tokens generated so far back at each "
+                    "sync, which async.interrupt retract keeps inside the engine; set "
+                    "async.interrupt: abort_resume (or auto)")
+        return None
 
     # --- derived ---------------------------------------------------------------------------------
     @property
@@ -1123,7 +1156,8 @@ class Recipe(_Strict):
         if not isinstance(a, FullyAsyncMode) or not a.partial_rollout:
             return None
         if a.interrupt == "auto":
-            return "abort_resume" if self.engines.rollout == "sglang" else "retract"
+            return "abort_resume" if self.engines.rollout == "sglang" \
+                or self.algorithm.effective_old_logprob == "interrupt" else "retract"
         return a.interrupt
 
     @property

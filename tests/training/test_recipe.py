@@ -634,6 +634,7 @@ def test_combinations_without_meaning_are_refused():
     ("recompute", {"kind": "none"}, ("recompute", False, True, True)),
     ("snapshot", {"kind": "compis"}, ("snapshot", True, False, True)),
     ("dedicated", {"kind": "compis"}, ("dedicated", True, False, True)),
+    ("interrupt", {"kind": "compis"}, ("interrupt", True, False, True)),
     ("ewma", {"kind": "none"}, ("ewma", False, False, True)),
     ("loglinear", {"kind": "decoupled"}, ("loglinear", False, False, False)),
     ("linear_prox", {"kind": "decoupled"}, ("linear_prox", False, False, False)),

@@ -10,10 +10,10 @@ are seed 001's operational defaults; calibrate them on a metrics-only run and ov
 Causes, and the decomposed metrics each reads (names of the learner, docs/contract of issue 14):
     A  precision / kernel / engine mismatch  ``mismatch/engine/*`` (π_old vs μ) — only when
        ``mismatch/engine/exact`` is 1, i.e. π_old is the exact behaviour version of every token
-       (``snapshot``/``dedicated`` without fallback, or sync). Under ``recompute``/``ewma``/
-       ``loglinear``/``linear_prox`` the engine metrics also carry staleness (or nothing), so a
-       crossing there is reported as *unseparated* with the prescription to rerun under
-       ``old_logprob: snapshot``.
+       (``snapshot``/``dedicated``/``interrupt`` without fallback, or sync). Under
+       ``recompute``/``ewma``/``loglinear``/``linear_prox`` the engine metrics also carry
+       staleness (or nothing), so a crossing there is reported as *unseparated* with the
+       prescription to rerun under ``old_logprob: snapshot``.
     B  policy staleness                      ``is/staleness/*`` (π_current vs π_old: k1 KL and the
        p99 of the ratio), and a rising ``mismatch/train_rollout`` |Δlogp| while the exact engine
        |Δlogp| stays flat.

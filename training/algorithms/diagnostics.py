@@ -44,6 +44,9 @@ releases were renamed to these two families, not aliased):
   dedicated   each token's own version      pure engine mismatch (exact unless the old-logit
               (a separate model copy)       model no longer held the version:
                                             ``old/dedicated_fallback_frac``)
+  interrupt   each token's own version      pure engine mismatch (exact unless a sample
+              (by the rollouter, before     came without them:
+              the version left)             ``old/interrupt_fallback_frac``)
   ewma        the EWMA reference            engine mismatch + the EWMA's distance from the
                                             behaviour versions (never exact)
   loglinear   μ                             nothing: π_old ≡ μ, every statistic is "no gap"
@@ -200,8 +203,8 @@ def compute_off_policy_diagnostics(
     names (issue 14's contract).
 
     ``mismatch/train_rollout/*``: π_current vs μ (``current_log_prob``; None = π_prox, which is
-    π_current under the recompute, snapshot and dedicated strategies — pass it under ewma,
-    loglinear and linear_prox, where π_prox is the EWMA reference or an interpolation).
+    π_current under the recompute, snapshot, dedicated and interrupt strategies — pass it under
+    ewma, loglinear and linear_prox, where π_prox is the EWMA reference or an interpolation).
     ``mismatch/engine/*``: π_old vs μ. ``is/staleness/*``: the measured π_current/π_old with
     CompIS's staleness method; ``is/engine/*``: π_old/μ with its engine method;
     ``is/combined/*``: the weight CompIS would apply, f_s(π_prox/π_old)·f_e(π_old/μ).

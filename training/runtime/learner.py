@@ -36,6 +36,12 @@ model once). One :meth:`Learner.step`:
                                                        tokens of a version it no longer holds
                                                        fall back to π_current
                                                        (``old/dedicated_fallback_frac``)
+   interrupt   π_current                               exact: each token under its own
+                                                       version, computed by the rollouter
+                                                       before that version left the engines
+                                                       (``Sample.old_log_probs``); a sample
+                                                       without them falls back to π_current
+                                                       (``old/interrupt_fallback_frac``)
    loglinear   A-3PO: log μ + α (log π_current −      μ (so r2 ≡ 1 and r3 = π_prox/μ is the
                log μ), α = (v_θ−1−v_b)/(v_θ−v_b)      decoupled behaviour weight)
    linear_prox AReaL: log((1−α) μ + α π_current),     μ (as loglinear)
@@ -183,7 +189,7 @@ class StepResult:
         ``token_versions``, ``response_mask`` (loss mask), ``keep_mask`` (trained tokens),
         ``token_level_rewards``, ``advantages``, ``entropy``, and when they exist
         ``is_weights``, ``ref_log_prob``, ``loglinear_alpha`` (loglinear and linear_prox),
-        ``snapshot_fallback_mask``, ``dedicated_fallback_mask``.
+        ``snapshot_fallback_mask``, ``dedicated_fallback_mask``, ``interrupt_fallback_mask``.
     """
 
     trained: bool
@@ -451,21 +457,21 @@ def proximal_and_old(strategy: str, correction_kind: str, current: torch.Tensor,
     """(π_prox, π_old) of an old-log-prob strategy and a correction kind (module docstring).
 
     Args:
-        strategy: ``recompute``, ``snapshot``, ``dedicated``, ``ewma``, ``loglinear``,
-            ``linear_prox`` or ``bypass``.
+        strategy: ``recompute``, ``snapshot``, ``dedicated``, ``interrupt``, ``ewma``,
+            ``loglinear``, ``linear_prox`` or ``bypass``.
         correction_kind: ``algorithm.correction.kind``; ``decoupled_mis`` centres the PPO clip at
             π_old (seed 003 Eq. 4), every other kind keeps the strategy's π_prox.
         current: (B, T) π_current. mu: (B, T) rollout log-probs.
         reference: (B, T) the strategy's own policy: the exact per-token π_old (snapshot,
-            dedicated), the EWMA reference (ewma), the interpolated proximal policy (loglinear,
-            linear_prox); unused otherwise.
+            dedicated, interrupt), the EWMA reference (ewma), the interpolated proximal policy
+            (loglinear, linear_prox); unused otherwise.
     """
-    if strategy in ("snapshot", "dedicated", "ewma", "loglinear", "linear_prox") \
+    if strategy in ("snapshot", "dedicated", "interrupt", "ewma", "loglinear", "linear_prox") \
             and reference is None:
         raise ValueError(f"old_logprob {strategy} needs its reference log-probs")
     if strategy == "recompute":
         prox, old = current, current
-    elif strategy in ("snapshot", "dedicated"):
+    elif strategy in ("snapshot", "dedicated", "interrupt"):
         prox, old = current, reference
     elif strategy == "ewma":  # seed 003 §5.2: the EWMA replaces π_old for both ratios
         prox, old = reference, reference
@@ -873,6 +879,9 @@ class Learner:
         elif strategy == "dedicated":
             reference, fallback, metrics = self._dedicated_old(packed, current)
             extra = {"dedicated_fallback_mask": fallback}
+        elif strategy == "interrupt":
+            reference, fallback, metrics = self._interrupt_old(packed, current)
+            extra = {"interrupt_fallback_mask": fallback}
         elif strategy == "ewma":
             reference = self._ewma_old(packed)
         prox, old = proximal_and_old(strategy, self.recipe.algorithm.correction.kind, current,
@@ -961,6 +970,31 @@ class Learner:
             "old/dedicated_versions": float(len(held)),
             "old/dedicated_bytes": float(self._dedicated.parameter_bytes()),  # type: ignore
             "old/dedicated_s": time.perf_counter() - t0}
+
+    @staticmethod
+    def _interrupt_old(packed: _Packed, current: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Exact π_old carried by the samples (``old_logprob: interrupt``: the rollouter
+        computed each token's log-prob under its own version before that version left the
+        engines). A sample without them (its ``old_log_probs`` do not cover its response: not
+        expected) falls back to π_current. Returns (π_old (B, T), fallback mask (B, T),
+        ``old/interrupt_fallback_frac`` = fallback loss tokens / loss tokens)."""
+        mask = packed.batch.response_mask
+        old = current.clone()
+        missing = torch.zeros_like(mask)
+        for i, s in enumerate(packed.samples):
+            o = s.response_len
+            if len(s.old_log_probs) == o:
+                old[i, :o] = torch.tensor(s.old_log_probs, dtype=old.dtype)
+            else:
+                missing[i] = mask[i]
+        n_missing = int(missing.sum())
+        frac = n_missing / max(int(mask.sum()), 1)
+        if n_missing:
+            log.warning("old_logprob interrupt: %d samples came without π_old; %d loss tokens "
+                        "(%.1f%%) fall back to the current weights",
+                        int(missing.any(dim=1).sum()), n_missing, 100 * frac)
+        return old, missing, {"old/interrupt_fallback_frac": frac}
 
     def _ewma_step(self, state: EWMAState | None, mask_frac: float | None) -> EWMAState:
         """One EWMA update (the first initialises); counts resets."""
@@ -1278,7 +1312,7 @@ class Learner:
                         ) -> torch.Tensor | None:
         """(B, T) tokens whose π_old is the trainer at their own behaviour version, or None when
         the strategy never gives it (the recipe says which: :attr:`AlgorithmConfig.old_is_exact`
-        — snapshot and dedicated, except their fallback tokens; :attr:`~AlgorithmConfig.
+        — snapshot, dedicated and interrupt, except their fallback tokens; :attr:`~AlgorithmConfig.
         old_is_current` — recompute, on tokens of the step's start version; ewma is an average,
         not a version, and loglinear, linear_prox and bypass have π_old = μ).
 

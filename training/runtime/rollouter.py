@@ -26,6 +26,14 @@ Ray) and owns:
   someone else does (each engine directly behind sglang-router; an NCCL broadcast from the
   trainer) is framed by :meth:`Rollouter.begin_weight_sync` / :meth:`Rollouter.end_weight_sync`,
   the two halves of the same sync.
+- under ``old_logprob: interrupt`` (seed 003 §5.1), **π_old of every token** while its version is
+  still served: an fp32 copy of the served weights (:class:`~training.runtime.interrupt_old.
+  HeldPolicy`, loaded from the same directory as the engines at each sync); at a partial-rollout
+  sync the engines abort (abort_resume), the rollouter waits for the aborted requests' tokens,
+  computes their π_old, and only then loads the new weights; a finished sample gets π_old of its
+  remaining tokens (``Sample.old_log_probs``). Reported: ``async/old_logit_interrupt_s`` (the
+  stall this adds to a sync: waiting for the aborted tokens, the forward, loading the copy),
+  ``async/old_logit_s`` (all its forwards, cumulative) and ``async/old_logit_held_bytes``.
 
 Behind sglang-router every request goes through the router (the client sees one "engine", and
 re-admits it without an engine resync); pauses, continues and weight loads go to the engines
@@ -56,6 +64,7 @@ from training.engines.rollout import (
     SamplingParams,
 )
 from training.recipe import Recipe
+from training.runtime.interrupt_old import HeldPolicy
 from training.runtime.pipeline import Dispatcher, StalenessController
 from training.runtime.types import Group, RolloutState, Sample
 from training.tasks.registry import Example, Task, get_task, stable_hash
@@ -117,6 +126,12 @@ class _Response:
     finish_reason: str = "abort"
     _routes: list[np.ndarray] = field(default_factory=list)
     _route_rows: int = 0
+    # old_logprob interrupt: π_old of output_ids[:len(old)]; requests sent / come back (a sync
+    # waits for the ones sent before it); missing: some token's version had left (not expected)
+    old: list[float] = field(default_factory=list)
+    old_missing: bool = False
+    sent: int = 0
+    returned: int = 0
 
     def add(self, res: GenerateResult, moe: bool) -> None:
         """Append ``res``'s tokens; raises :class:`RolloutEngineError` (leaving the response
@@ -177,11 +192,14 @@ class Rollouter:
         control_urls: when ``urls`` is a router (sglang-router), the engines behind it: weight
             loads, pauses and continues go to them directly, never through the router. None:
             ``urls`` are the engines themselves.
+        weights_path: the HF directory the engines serve at start (``version``); required by
+            ``old_logprob: interrupt``, whose π_old copy loads it.
     """
 
     def __init__(self, recipe: Recipe, urls: list[str], buffer: Any,
                  start: RolloutState | None = None, version: int = 0,
-                 control_urls: list[str] | None = None) -> None:
+                 control_urls: list[str] | None = None,
+                 weights_path: str | None = None) -> None:
         import torch
         torch.set_num_threads(1)
         self.recipe = recipe
@@ -242,6 +260,18 @@ class Rollouter:
                              resumed_requests=0, tool_calls=0, tool_errors=0, tool_timeouts=0)
         self._sync_times: list[float] = []
         self._wait_times: list[float] = []
+        # old_logprob interrupt: the served policy's copy, the samples in flight, timings
+        self.held: HeldPolicy | None = None
+        if r.algorithm.effective_old_logprob == "interrupt":
+            if weights_path is None:
+                raise ValueError("old_logprob: interrupt needs the served weights' directory: "
+                                 "pass weights_path")
+            self.held = HeldPolicy(weights_path, self.version, r.rollout.temperature)
+            self.counters["old_logit_missing"] = 0
+        self._live: dict[tuple[int, int], _Response] = {}
+        self._old_lock = asyncio.Lock()
+        self._old_s = 0.0
+        self._interrupt_s = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> bool:
@@ -365,14 +395,19 @@ class Rollouter:
             attempt += 1
             assert self.client is not None
             syncs = self.counters["syncs"]
+            response.sent += 1
             try:
                 res = (await self.client.generate_one(self._request(
                     gid, idx, attempt, response.output_ids, response.turn)))[0]
             except RolloutEngineError as e:
+                response.returned += 1
                 self.counters["sample_retries"] += 1
                 log.warning("sample %d/%d failed on every engine (%s); retrying", gid, idx, e)
                 await asyncio.sleep(min(2.0, 0.2 * attempt))
                 continue
+            # no await from here until its tokens are in the response: a sync waiting for it
+            # sees both at once
+            response.returned += 1
             if res.aborted and self.interrupt != "abort_resume":
                 # an engine dropped it mid-way (retract mode): redo the turn whole
                 self.counters["sample_retries"] += 1
@@ -417,6 +452,7 @@ class Rollouter:
         pend = self._groups[gid]
         submitted = time.time()
         response = _Response(len(pend.prompt_ids))
+        self._live[(gid, idx)] = response
         r = self.recipe.rollout
         limit = r.max_response_tokens
         tools = self.task if isinstance(self.task, ToolTask) else None
@@ -448,6 +484,8 @@ class Rollouter:
                     while self._syncing and not self._stopping:
                         await asyncio.sleep(0.005)
             assert res is not None
+            if self.held is not None:  # the rest of its tokens: their version is still served
+                await self._fill_old([(pend.prompt_ids, response)])
             text = self.tokenizer.decode(response.output_ids)
             reward = self.task.reward(pend.example, text)
             sample = Sample(
@@ -460,7 +498,9 @@ class Rollouter:
                 routes=response.routes() if self.moe else None, engine_url=res.engine_url,
                 submitted_at=submitted, finished_at=time.time(), attempts=attempt,
                 turn_ids=list(response.turn_ids) if tools is not None else [],
-                tool_calls=calls, tool_errors=errors, tool_timeouts=timeouts)
+                tool_calls=calls, tool_errors=errors, tool_timeouts=timeouts,
+                old_log_probs=list(response.old) if self.held is not None
+                and not response.old_missing else [])
             self.counters["samples_generated"] += 1
             self.counters["tokens_generated"] += sum(response.mask)
             self.counters["tool_calls"] += calls
@@ -487,6 +527,7 @@ class Rollouter:
             self._error = f"sample {gid}/{idx} failed: {type(e).__name__}: {e}"
             log.exception("sample failed")
         finally:
+            self._live.pop((gid, idx), None)
             self._in_flight -= 1
             self._mark_busy_state()
             self._poke()
@@ -518,7 +559,7 @@ class Rollouter:
             self._syncing = False
             raise
         return await self.end_weight_sync(version, step, consumed_samples, wait_s,
-                                          time.monotonic() - t1)
+                                          time.monotonic() - t1, path=path)
 
     async def begin_weight_sync(self) -> float:
         """Stop generation for a weight load done by someone else (the driver through each
@@ -531,10 +572,17 @@ class Rollouter:
         assert self.control is not None
         self._syncing = True
         t0 = time.monotonic()
+        self._interrupt_s = 0.0
         try:
             if self.partial_rollout:
                 await self.control.pause_generation(
                     "abort" if self.interrupt == "abort_resume" else "retract")
+                if self.held is not None:
+                    t1 = time.monotonic()
+                    await self._await_interrupted()
+                    await self._fill_old([(self._groups[gid].prompt_ids, r)
+                                          for (gid, _), r in list(self._live.items())])
+                    self._interrupt_s = time.monotonic() - t1
             else:
                 deadline = time.monotonic() + self.sync_timeout_s
                 while self._in_flight > 0:
@@ -549,15 +597,25 @@ class Rollouter:
         return time.monotonic() - t0
 
     async def end_weight_sync(self, version: int, step: int, consumed_samples: int,
-                              wait_s: float, load_s: float) -> dict[str, float]:
+                              wait_s: float, load_s: float,
+                              path: str | None = None) -> dict[str, float]:
         """The engines serve weight ``version`` (trainer ``step``) now: continue generation (partial
         rollout), resume dispatching, and account the sync like :meth:`sync_weights` —
         ``consumed_samples`` sets the next rollout_num quota, ``wait_s`` / ``load_s`` (from
         :meth:`begin_weight_sync` and the caller's load) are reported as ``async/sync_wait_s`` /
-        ``async/weight_sync_s`` (the latter includes the continue call)."""
+        ``async/weight_sync_s`` (the latter includes the continue call). ``path``: the
+        directory the engines loaded, which ``old_logprob: interrupt``'s copy loads too (before
+        generation continues; its stall is ``async/old_logit_interrupt_s``)."""
         assert self.control is not None
         t0 = time.monotonic()
         try:
+            if self.held is not None:
+                if path is None:
+                    raise ValueError("old_logprob: interrupt loads each version from the "
+                                     "exported weights: pass end_weight_sync the path loaded")
+                async with self._old_lock:
+                    await asyncio.to_thread(self.held.load, path, version)
+                self._interrupt_s += time.monotonic() - t0
             if self.partial_rollout:
                 await self.control.continue_generation()
         finally:
@@ -572,8 +630,61 @@ class Rollouter:
         self._sync_times.append(load_s)
         self._wait_times.append(wait_s)
         self._poke()
-        return {"async/sync_wait_s": wait_s, "async/weight_sync_s": load_s,
-                "async/rollout_quota": float(quota), "async/stale_outstanding": float(outstanding)}
+        out = {"async/sync_wait_s": wait_s, "async/weight_sync_s": load_s,
+               "async/rollout_quota": float(quota), "async/stale_outstanding": float(outstanding)}
+        if self.held is not None:
+            out["async/old_logit_interrupt_s"] = self._interrupt_s
+        return out
+
+    async def _await_interrupted(self) -> None:
+        """Wait until every request of the samples in flight has come back, aborted with its
+        tokens (or finished). A request still on its way when the engines paused is queued
+        there, not aborted: the abort is repeated until it comes back too (a sample whose
+        request was aborted sends the next one after the sync)."""
+        assert self.control is not None
+        deadline = time.monotonic() + self.sync_timeout_s
+        again = time.monotonic() + 0.05
+        while any(r.returned < r.sent for r in self._live.values()):
+            now = time.monotonic()
+            if now > deadline:
+                raise RolloutEngineError(
+                    f"aborted requests had not come back {self.sync_timeout_s:.0f} s after the "
+                    "sync began; check the rollout engines' logs")
+            if now >= again:
+                await self.control.abort()
+                again = now + 0.1
+            await asyncio.sleep(0.002)
+
+    async def _fill_old(self, rows: list[tuple[list[int], _Response]]) -> None:
+        """π_old of the response tokens that have none yet, under the held copy (the version
+        that generated them: the caller makes sure it is still the one served). A token of
+        another version (not expected) leaves its sample without π_old, counted in
+        ``async/rollouter/old_logit_missing``; tool observation tokens get 0.0."""
+        assert self.held is not None
+        async with self._old_lock:
+            todo: list[tuple[list[int], _Response, int, int]] = []
+            for prompt, r in rows:
+                k, n = len(r.old), len(r.output_ids)
+                if r.old_missing or k >= n:
+                    continue
+                if any(m and v != self.held.version
+                       for m, v in zip(r.mask[k:n], r.versions[k:n], strict=True)):
+                    r.old_missing = True
+                    self.counters["old_logit_missing"] += 1
+                    log.warning("a sample has tokens of versions %s without π_old (the copy "
+                                "holds %d); it trains on the trainer's fallback",
+                                sorted(set(r.versions[k:n])), self.held.version)
+                    continue
+                todo.append((list(prompt), r, k, n))
+            if not todo:
+                return
+            t0 = time.monotonic()
+            values = await asyncio.to_thread(
+                self.held.log_probs, [p for p, _, _, _ in todo],
+                [r.output_ids[:n] for _, r, _, n in todo], [k for _, _, k, _ in todo])
+            self._old_s += time.monotonic() - t0
+            for (_, r, k, n), row in zip(todo, values, strict=True):
+                r.old += [lp if m else 0.0 for lp, m in zip(row, r.mask[k:n], strict=True)]
 
     async def set_policy_step(self, step: int, dropped_samples: int = 0) -> None:
         """The trainer finished a step (seed 004's i advances with every training step, not only
@@ -649,6 +760,9 @@ class Rollouter:
         out["async/rollouter/quota"] = float(self.controller.quota)
         out["async/submitted_samples"] = float(self.controller.submitted_total)
         out["async/rollout_tokens_per_s"] = self.counters["tokens_generated"] / wall
+        if self.held is not None:
+            out["async/old_logit_s"] = self._old_s
+            out["async/old_logit_held_bytes"] = float(self.held.nbytes)
         out.update(self.dispatcher.stats())
         if self.client is not None:
             st = self.client.stats()

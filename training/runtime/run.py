@@ -314,7 +314,7 @@ class Runtime:
             restore = self._catch_sigint()  # after ray.init, which may install its own handler
             urls = self._start_engines(ray, engine_dir)
             version0 = int(read_meta(engine_dir).get("weight_version", 0))
-            self._create_actors(ray, urls, trainer_resume, resume_state, version0)
+            self._create_actors(ray, urls, trainer_resume, resume_state, version0, engine_dir)
             if not self.step_start_versions:
                 self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
             if resume_state is None and self.recipe.eval.n > 0:
@@ -378,7 +378,7 @@ class Runtime:
         return lambda: signal.signal(signal.SIGINT, previous)
 
     def _create_actors(self, ray: Any, urls: list[str], trainer_resume: str | None,
-                       resume_state: RunState | None, version0: int) -> None:
+                       resume_state: RunState | None, version0: int, engine_dir: Path) -> None:
         from training.runtime.actors import SampleBuffer, TrainerWorker
         from training.runtime.rollouter import Rollouter
 
@@ -395,7 +395,8 @@ class Runtime:
             ids = [g["group_id"] for g in groups] + list(start.regenerate)
             ray.get(self.buffer.restore.remote(groups, ids))
         self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
-            r, urls, self.buffer, start, version0, control_urls=self.backend.control_urls)
+            r, urls, self.buffer, start, version0, control_urls=self.backend.control_urls,
+            weights_path=str(engine_dir))
         self._actors = [self.rollouter, self.trainer, self.buffer]
         self.weights = parameter_sync(r, self.run_dir, self.trainer, self.rollouter,
                                       self.backend, dist_backend=self.weight_sync_backend)

@@ -46,6 +46,10 @@ class Sample:
         for a single-turn response (every token turn 0).
     tool_calls / tool_errors / tool_timeouts: tool calls the trajectory made, and how many of
         them gave an error or ran out of time (their observation says so).
+    old_log_probs: (O,) π_old of each response token — the trainer-side log-prob under the
+        weight version that generated it — computed by the rollouter before that version left
+        the engines (``old_logprob: interrupt``); 0.0 on tool observation tokens (loss mask 0).
+        Empty: not computed (every other strategy).
     """
 
     group_id: int
@@ -68,6 +72,7 @@ class Sample:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    old_log_probs: list[float] = field(default_factory=list)
 
     @property
     def response_len(self) -> int:
@@ -106,6 +111,7 @@ class Sample:
         # json cannot hold NaN/inf portably: keep them as strings
         d["reward"] = _num(self.reward)
         d["rollout_log_probs"] = [_num(x) for x in self.rollout_log_probs]
+        d["old_log_probs"] = [_num(x) for x in self.old_log_probs]
         return d
 
     @classmethod
@@ -117,6 +123,7 @@ class Sample:
                 r["shape"]).copy()
         d["reward"] = float(d["reward"])
         d["rollout_log_probs"] = [float(x) for x in d["rollout_log_probs"]]
+        d["old_log_probs"] = [float(x) for x in d.get("old_log_probs", [])]
         return cls(**d)
 
 

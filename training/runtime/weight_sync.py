@@ -165,7 +165,7 @@ class DirectSync(ParameterSync):
             raise SyncError(f"weight sync to version {version} failed on every engine: {why}")
         load_s = time.monotonic() - t1
         out = dict(ray.get(self.rollouter.end_weight_sync.remote(
-            version, next_step, consumed, wait_s, load_s)))
+            version, next_step, consumed, wait_s, load_s, path=str(target))))
         self._prune_exports(version, target)
         out["async/weight_export_s"] = export_s
         return SyncReport(out, export_s + load_s, wait_s)

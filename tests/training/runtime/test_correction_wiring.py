@@ -40,6 +40,7 @@ POLICIES = {
     "recompute": ("current", "current"),
     "snapshot": ("current", "reference"),
     "dedicated": ("current", "reference"),
+    "interrupt": ("current", "reference"),
     "ewma": ("reference", "reference"),
     "loglinear": ("reference", "mu"),
     "linear_prox": ("reference", "mu"),
