@@ -390,7 +390,8 @@ def test_shipped_recipe_hashes_are_unchanged():
         "one_step-moe": "ba1800e260e9380c", "one_step": "6515d15c4a52cfde",
         "sync-megatron": "c07036e23d5d3aa0", "sync-moe": "c91587d3d0f1a85b",
         "sync": "d4380df48cc2e5a5", "stress-fully_async": "3ee20f243061f8c2",
-        "stress-one_step": "537f58661b6ffbf8", "stress-sync": "8b1fc2cb22d5851a"}
+        "stress-one_step": "537f58661b6ffbf8", "stress-sync": "8b1fc2cb22d5851a",
+        "fully_async-tools": "dde3b18ecc00433a"}
     assert Recipe().hash() == "ea36c3d781b604d7"
 
 

@@ -2,13 +2,14 @@
 rollout, checked token by token.
 
 The Rollouter (in-process, no Ray) generates calc_chain trajectories on a real fp32 embedded
-server while the test pushes new trainer weights six times with ``sync_weights`` (pause, load,
-continue). Turns stop at the call's closing ``]``; the tool (here a calculator that sleeps on some
-calls, so that some calls time out) answers with an observation the rollouter appends with loss
-mask 0. Under ``old_logprob: snapshot`` the Learner's π_old must equal the trainer's log-probs at
-each token's version, and — fp32 server — the log-probs μ the server reported: that holds for the
-tokens after a tool observation and after a resume only if the per-token versions are right
-across turns and interruptions. The tool's tokens must never reach the loss.
+server while the test pushes new trainer weights six to twelve times with ``sync_weights``
+(pause, load, continue). Turns stop at the call's closing ``]``; the tool (here a calculator that
+sleeps on some calls, so that some calls time out) answers with an observation the rollouter
+appends with loss mask 0. Under ``old_logprob: snapshot`` the Learner's π_old must equal the
+trainer's log-probs at each token's version, and — fp32 server — the log-probs μ the server
+reported: that holds for the tokens after a tool observation and after a resume only if the
+per-token versions are right across turns and interruptions. The tool's tokens must never reach
+the loss.
 """
 
 from __future__ import annotations
@@ -98,12 +99,16 @@ def test_tool_trajectories_across_syncs(tool_ckpt, tmp_path, interrupt):
             rollouter = Rollouter(recipe, [server.url], buffer, None, version=v0)
             await rollouter.start()
             try:
-                for i in range(1, 7):  # six syncs while trajectories are being generated
+                # syncs while trajectories are being generated: at least six, and on until the
+                # 8 groups the test takes are complete (a loaded machine generates slowly)
+                for i in range(1, 13):
                     _nudge(engine)
                     await _until_decoding(server.url)
                     path = tmp_path / f"v{engine.weight_version}"
                     engine.export_weights(path)
                     await rollouter.sync_weights(str(path), engine.weight_version, i, 0)
+                    if i >= 6 and buffer.put_count >= 8:
+                        break
                 groups = await buffer.take(8, timeout=120)
                 assert groups is not None
                 return groups, await rollouter.stats()
