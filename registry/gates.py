@@ -287,7 +287,8 @@ class LogprobDiffFlatParams(GateParams):
     relative, the preferred form: fails when the level (mean of the last ``tail`` fraction of
     points) exceeds ``max_ratio`` × the reference's level, or when the run's fitted rise (least-
     squares slope × steps spanned) exceeds the reference's total fitted rise (its own slope × its
-    own span, :func:`summarize`'s ``.../rise``) by more than ``max_rise_ratio`` × the
+    own span, :func:`summarize`'s ``.../rise``; a reference that fell counts as 0: a run is not
+    growing for falling less than its baseline did) by more than ``max_rise_ratio`` × the
     reference's level. Total rises, not slopes, are compared because a campaign stage's
     ``samples`` gives both runs the same data over different step counts (a ¼-batch candidate
     runs 4× the steps); a summary without ``.../rise`` (written before it existed) falls back
@@ -934,12 +935,17 @@ def _logprob_diff_flat(run: _Run, p: LogprobDiffFlatParams,
         else:
             ref_rise = (_ref_value(reference, f"{LOGPROB_DIFF}/slope") or 0.0) * span
             ref_basis = f"its slope over the same {span} steps"
-        excess, rise_limit = rise - ref_rise, p.max_rise_ratio * ref
+        # a falling reference allows no fall-or-less: "must not grow" is judged against the
+        # reference's rise only when it rose (a flat run beside a sharpening baseline whose
+        # |Δlogp| fell is not growing)
+        excess, rise_limit = rise - max(ref_rise, 0.0), p.max_rise_ratio * ref
         limit = p.max_ratio * ref
         growing = excess > rise_limit
         too_high = level > limit
+        floor = "" if ref_rise >= 0 else ", a fall: counted as 0"
         detail = (f"fitted rise {_g(rise)} over {span} steps vs the reference's {_g(ref_rise)} "
-                  f"({ref_basis}): excess {_g(excess)} {'>' if growing else '≤'} {_g(rise_limit)} "
+                  f"({ref_basis}{floor}): excess {_g(excess)} {'>' if growing else '≤'} "
+                  f"{_g(rise_limit)} "
                   f"({_g(p.max_rise_ratio)} × the reference level {_g(ref)}); level {_g(level)} "
                   f"{'>' if too_high else '≤'} {_g(limit)} ({_g(p.max_ratio)} × the reference "
                   f"level {_g(ref)})")

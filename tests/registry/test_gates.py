@@ -146,6 +146,22 @@ def test_logprob_diff_flat_judges_the_rise_against_the_reference_rise():
     assert "its slope over the same 9 steps" in r.evidence  # an old summary: slope × span
 
 
+def test_logprob_diff_flat_does_not_count_a_falling_reference_against_a_flat_run():
+    # the stress campaign's baseline (4 PPO epochs, lr 6e-5) sharpens the policy: its |Δlogp|
+    # falls 0.0098 → 0.0053 (rise −0.0045); a candidate that does not learn stays near 0.0068
+    ref = summarize(hist({LP: [0.0098 - 0.0015 * i for i in range(4)]}))
+    assert ref[f"{LP}/rise"] == pytest.approx(-0.0045)
+    flat = hist({LP: [0.0068, 0.0067, 0.0066, 0.0068]})
+    r = evaluate_gate("logprob_diff_flat", flat, {"max_ratio": 3.0}, reference=ref)
+    # rise ≈ −0.00003 − max(−0.0045, 0) ≤ 0.5 × the reference level: flat, not growing
+    assert r.passed and "a fall: counted as 0" in r.evidence, r.evidence
+    # a real rise is still caught against the same falling reference: 0.0068 → 0.0128 (+0.006)
+    rising = hist({LP: [0.0068 + 0.002 * i for i in range(4)]})
+    r = evaluate_gate("logprob_diff_flat", rising, {"max_ratio": 3.0}, reference=ref)
+    assert not r.passed and "is growing" in r.evidence
+    assert r.value == pytest.approx(0.006)
+
+
 def test_logprob_diff_flat_compares_total_rises_of_runs_of_different_lengths():
     # a `samples` stage: the reference trains 10 steps of full batches and rises 0.006 → 0.0096
     # (0.0004/step · 9 = 0.0036); a ¼-batch candidate sees the same samples over 40 steps and
