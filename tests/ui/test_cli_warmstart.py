@@ -36,7 +36,7 @@ def test_warmstart_trains_then_hits_the_cache(tmp_path):
 
 def test_unknown_task(tmp_path):
     res = runner.invoke(app, ["warmstart", "sum_digitz", "--out", str(tmp_path / "o")])
-    one_line_error(res, "unknown task 'sum_digitz'; valid names: jsonl, sum_digits")
+    one_line_error(res, "unknown task 'sum_digitz'; valid names: calc_chain, jsonl, sum_digits")
 
 
 def test_unwritable_or_bad_out(tmp_path):

@@ -51,6 +51,17 @@ def _wait_running(url, new_tokens=5, timeout=30):
     raise AssertionError("request never started generating")
 
 
+def _wait_idle(url, timeout=60):
+    """Until the server holds no sequence (an earlier test's requests may still be finishing,
+    and their tokens would count in ``/get_load``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if HTTP.get(url + "/get_load").json()[0]["num_tokens"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the server never became idle")
+
+
 def _trainer(ckpt):
     return load_hf_dir(ckpt, torch.float32).model.eval()
 
@@ -321,6 +332,7 @@ def test_pause_abort_returns_partial_output_and_queues_new_requests(servers):
 
 def test_abort_request_by_rid_returns_partial_output(servers):
     url = servers["dense"]
+    _wait_idle(url)  # so that the load _wait_running sees is the victim's own
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(_long, url, 5, 200, rid="victim")
         _wait_running(url)
