@@ -82,12 +82,27 @@ class RunResult:
     interrupted: bool = False
 
 
+def check_task(recipe: Recipe) -> None:
+    """Build the recipe's task once, so that a wrong task argument (an unknown keyword, an
+    unknown tool or reward, a value out of range, a missing data file) is a one-line
+    :class:`RunError` before anything starts, not a traceback from inside an actor."""
+    from training.runtime.rollouter import build_task
+
+    try:
+        build_task(recipe)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise RunError(f"task {recipe.task.name} (task.args {dict(recipe.task.args)}): {why}; "
+                       "fix task.args") from None
+
+
 def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = None) -> Path:
     """The HF directory the run starts from: the cached warm start or the given checkpoint.
-    Checks first that the recipe's rollout backend can run here (before a minutes-long warm
-    start)."""
+    Checks first that the recipe's backends can run here and that its task can be built
+    (before a minutes-long warm start)."""
     check_train_backend(recipe)
     check_rollout_backend(recipe)
+    check_task(recipe)
     if isinstance(recipe.model, CheckpointModel):
         path = Path(recipe.model.path).expanduser()
         from training.engines.hf_io import read_model_config
@@ -689,6 +704,7 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
                  checkpoint_every=checkpoint_every)
     check_train_backend(recipe)  # refused here, before the lock creates the run directory
     check_rollout_backend(recipe)
+    check_task(recipe)
     try:  # one writer per run directory (two terminals resuming it would interleave its files)
         lock = RunDirLock(run_dir).acquire()
     except OwnedError as e:

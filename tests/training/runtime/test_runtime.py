@@ -245,6 +245,25 @@ def test_resume_refuses_another_recipe(ray_session, tmp_path):
         run_recipe(other, resume=tmp_path)
 
 
+@pytest.mark.parametrize(("task", "args", "why"), [
+    ("calc_chain", {"tool": "nope"}, "unknown tool 'nope'; valid names: calc"),
+    ("calc_chain", {"max_kk": 3}, "unexpected keyword argument 'max_kk'"),
+    ("sum_digits", {"max_k": 99}, "need 1 <= min_k <= max_k <= 16"),
+])
+def test_a_wrong_task_argument_is_a_one_line_error_before_anything_starts(tmp_path, task, args,
+                                                                           why):
+    from training.runtime.run import initial_checkpoint
+
+    recipe = recipe_from_dict({"task": {"name": task, "args": args}})
+    for start in (lambda: initial_checkpoint(recipe),  # before the warm start
+                  lambda: run_recipe(recipe, out=tmp_path / "run")):
+        with pytest.raises(RunError) as err:
+            start()
+        assert why in str(err.value) and str(err.value).endswith("fix task.args")
+        assert "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     recipe = recipe_from_dict({"model": {"kind": "checkpoint", "path": str(tmp_path / "nope")}})
     with pytest.raises(RunError) as err:
