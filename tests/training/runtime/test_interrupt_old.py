@@ -31,19 +31,8 @@ from training.runtime.types import Group, Sample
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    import os
-
-    home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("ASYNCRL_HOME")
-    os.environ["ASYNCRL_HOME"] = str(home)
-    try:
-        yield warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2)).path
-    finally:
-        if old is None:
-            os.environ.pop("ASYNCRL_HOME", None)
-        else:
-            os.environ["ASYNCRL_HOME"] = old
+def tiny_ckpt(module_home):
+    return warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2)).path
 
 
 def _recipe(path, **algorithm):

@@ -35,22 +35,11 @@ from training.runtime.rollouter import Rollouter, _Response
 
 
 @pytest.fixture(scope="module")
-def tiny_ckpts(tmp_path_factory):
+def tiny_ckpts(module_home):
     """A tiny dense and a tiny MoE (4 experts, top-2) warm start."""
-    import os
-
-    home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("ASYNCRL_HOME")
-    os.environ["ASYNCRL_HOME"] = str(home)
-    try:
-        yield {"dense": warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2)).path,
-               "moe": warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2,
-                                                 moe_experts=4, moe_top_k=2)).path}
-    finally:
-        if old is None:
-            os.environ.pop("ASYNCRL_HOME", None)
-        else:
-            os.environ["ASYNCRL_HOME"] = old
+    return {"dense": warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2)).path,
+            "moe": warm_start(WarmStartConfig(steps=60, hidden_size=32, num_layers=2,
+                                              moe_experts=4, moe_top_k=2)).path}
 
 
 def _nudge(engine: EmbeddedTrainEngine) -> None:

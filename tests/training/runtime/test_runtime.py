@@ -23,28 +23,6 @@ N, PROMPTS = 4, 4
 B = N * PROMPTS
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    """One local Ray for the module (FACTS.md: start Ray once, not per test)."""
-    import os
-
-    home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("ASYNCRL_HOME")
-    os.environ["ASYNCRL_HOME"] = str(home)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    from training.ray_setup import init_ray
-
-    init_ray(num_cpus=2)  # loopback-only, reaped with this process
-    yield ray
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("ASYNCRL_HOME", None)
-    else:
-        os.environ["ASYNCRL_HOME"] = old
-
-
 def tiny(mode: str, steps: int, **extra):
     """A recipe on a tiny warm start (2 layers, d=32, 60 supervised steps: ~2 s, cached)."""
     data = {

@@ -15,27 +15,6 @@ from training.runtime.run import run_recipe
 from training.runtime.sinks import read_metrics
 
 
-@pytest.fixture(scope="module")
-def ray_session(tmp_path_factory):
-    import os
-
-    home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("ASYNCRL_HOME")
-    os.environ["ASYNCRL_HOME"] = str(home)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    from training.ray_setup import init_ray
-
-    init_ray(num_cpus=2)
-    yield ray
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("ASYNCRL_HOME", None)
-    else:
-        os.environ["ASYNCRL_HOME"] = old
-
-
 def _recipe(steps: int):
     """The tiny warm start of tests/training/runtime/test_runtime.py (cached, ~2 s), with the
     KL loss term, VCPO and a hair-trigger length-surge guard (1 % over one step)."""

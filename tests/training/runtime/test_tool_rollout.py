@@ -44,21 +44,10 @@ def slow_calc(argument: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tool_ckpt(tmp_path_factory):
+def tool_ckpt(module_home):
     """A tiny calc_chain warm start (it has seen the call format a little)."""
-    import os
-
-    home = tmp_path_factory.mktemp("home")
-    old = os.environ.get("ASYNCRL_HOME")
-    os.environ["ASYNCRL_HOME"] = str(home)
-    try:
-        yield warm_start(WarmStartConfig(task="calc_chain", steps=200, hidden_size=32,
-                                         num_layers=2, eval_n=8)).path
-    finally:
-        if old is None:
-            os.environ.pop("ASYNCRL_HOME", None)
-        else:
-            os.environ["ASYNCRL_HOME"] = old
+    return warm_start(WarmStartConfig(task="calc_chain", steps=200, hidden_size=32,
+                                      num_layers=2, eval_n=8)).path
 
 
 async def _until_decoding(url: str) -> None:
