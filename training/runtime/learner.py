@@ -783,6 +783,8 @@ class Learner:
         elif self.ewma_state is not None:
             metrics.update(self._ewma_metrics())
 
+        if trained:
+            metrics.update(self._update_size(packed, policies))
         # measured first, so the correction's applied versions of the same keys win
         metrics.update(self._diagnostics(packed, policies, start_version))
         metrics.update(policies.metrics)
@@ -1145,6 +1147,22 @@ class Learner:
                     **({"lr_scale": lr_scale} if lr_scale != 1.0 else {})))
         return self._policy_metrics(steps)
 
+    def _update_size(self, packed: _Packed, p: _Policies) -> dict[str, float]:
+        """The size of the step just taken, on the tokens it trained: π_current (the start
+        weights) vs π_next (one more forward at the new weights). ``policy/update/*`` are
+        :func:`compute_mismatch_metrics` of log π_next vs log π_current and ``policy/update_kl``
+        = KL(π_current ‖ π_next) by the k3 estimator (non-negative, low variance). One update
+        of lag costs a lagged run about this much |Δlogp| (issue 26: "one step of lag" as a
+        measured quantity; the gates' expected level of a lagged run reads it)."""
+        mask = packed.batch.response_mask
+        nxt = self.engine.compute_log_probs(
+            packed.batch, routing=self._forward_routing,
+            temperature=self.recipe.rollout.temperature, with_entropy=False).log_probs
+        m = compute_mismatch_metrics(nxt, p.current, mask, prefix="policy/update/")
+        out = {k: v for k, v in m.items() if "logprob_abs_diff/" in k or k.endswith("kl_k3")}
+        out["policy/update_kl"] = m["policy/update/kl_k3"]
+        return out
+
     # --- reactive LR guards --------------------------------------------------------------------
     def _guards(self, packed: _Packed, p: _Policies, corr: _Correction, step: int
                 ) -> tuple[float, dict[str, float], tuple[str, ...]]:
@@ -1229,6 +1247,12 @@ class Learner:
         m = compute_mismatch_metrics(p.current, mu, mask, p.entropy,
                                      prefix="mismatch/train_rollout/")
         m.update(compute_mismatch_metrics(p.old, mu, mask, prefix="mismatch/engine/"))
+        if self.recipe.algorithm.old_is_exact:
+            # the staleness component alone (π_current vs π_old), where π_old is the trainer at
+            # each token's behaviour version (snapshot, dedicated, interrupt)
+            m.update({k: v for k, v in compute_mismatch_metrics(
+                p.current, p.old, mask, prefix="mismatch/staleness/").items()
+                if "logprob_abs_diff/" in k or k.endswith(("kl_k1", "kl_k3"))})
         exact = self._old_exact_mask(packed, p, start_version)
         n_loss = int(mask.sum())
         m["old/exact_frac"] = (0.0 if exact is None else

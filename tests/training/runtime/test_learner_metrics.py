@@ -238,3 +238,43 @@ def test_dropped_stale_frac_is_cumulative_share_of_responses():
     assert dropped_stale_frac({"dropped_stale_samples": 0, "trained_samples": 0}) == 0.0
     assert dropped_stale_frac({"dropped_stale_samples": 3, "trained_samples": 9}) == 0.25
     assert dropped_stale_frac({"dropped_stale_samples": 2.0, "trained_samples": 0.0}) == 1.0
+
+
+def test_update_size_is_the_start_weights_against_the_new_ones_on_the_trained_tokens():
+    """policy/update/* and policy/update_kl (issue 26): the step's own move, measured by one more
+    forward at the new weights; equal to a hand recompute, non-zero after a real update."""
+    eng = _engine()
+    learner = Learner(eng, _recipe({"old_logprob": "recompute"}), keep_tensors=True)
+    groups = _groups(eng, seed=3)
+    res = learner.step(groups, step=0)
+    assert res.trained
+    d, m = res.debug, res.metrics
+    mask = d["response_mask"]
+    after = eng.compute_log_probs(_batch_of([s for g in groups for s in g.samples])).log_probs
+    delta = after - d["current_log_prob"]
+    assert m["policy/update/logprob_abs_diff/mean"] == pytest.approx(
+        float(delta.abs()[mask].mean()), rel=1e-5)
+    assert m["policy/update/logprob_abs_diff/max"] == pytest.approx(
+        float(delta.abs()[mask].max()), rel=1e-5)
+    k3 = (torch.exp(delta) - delta - 1.0)[mask].mean()
+    assert m["policy/update_kl"] == pytest.approx(float(k3), rel=1e-4)
+    assert m["policy/update_kl"] > 0.0 and m["policy/update/logprob_abs_diff/mean"] > 1e-4
+    # recompute has no distinct π_old: no staleness component is claimed
+    assert not [k for k in m if k.startswith("mismatch/staleness/")]
+
+
+def test_snapshot_logs_the_staleness_component_alone():
+    eng = _engine()
+    learner = Learner(eng, _recipe({"old_logprob": "snapshot"}), keep_tensors=True)
+    lagged = _groups(eng, seed=5, first_id=10)
+    first = learner.step(_groups(eng, seed=1), step=0)
+    res = learner.step(lagged, step=1)
+    d, m = res.debug, res.metrics
+    mask = d["response_mask"]
+    stale = (d["current_log_prob"] - d["old_log_prob"]).abs()[mask]
+    assert m["mismatch/staleness/logprob_abs_diff/mean"] == pytest.approx(
+        float(stale.mean()), rel=1e-5)
+    # one update of lag: the staleness this step sees is the update the step before made
+    assert m["mismatch/staleness/logprob_abs_diff/mean"] > 0.0
+    assert first.metrics["mismatch/staleness/logprob_abs_diff/mean"] == pytest.approx(0.0,
+                                                                                        abs=1e-7)
