@@ -301,14 +301,19 @@ def model_name(campaign_name: str) -> str:
 # --- the flow -----------------------------------------------------------------------------------
 
 
-def _choose(stage: Stage, outcomes: list[CandidateOutcome]) -> CandidateOutcome | None:
+def _choose(stage: Stage, outcomes: list[CandidateOutcome]
+            ) -> tuple[CandidateOutcome | None, str]:
+    """The stage's winner by its promotion rule (:func:`registry.promotion.choose`: best_eval
+    moves past the first passing candidate only beyond noise) and the reason in words."""
+    from registry.promotion import Contender, choose
+
     passing = [o for o in outcomes if o.report.passed]
-    if not passing:
-        return None
-    if stage.promotion == "best_eval":
-        return max(passing, key=lambda o: o.eval_reward if o.eval_reward is not None
-                   else float("-inf"))
-    return passing[0]  # listed order
+    choice = choose(stage.promotion, [
+        Contender(o.candidate, o.eval_reward,
+                  float(o.run.summary["eval/n"]) if isinstance(o.run.summary.get("eval/n"),
+                                                               int | float) else None)
+        for o in passing])
+    return (None if choice.index is None else passing[choice.index]), choice.reason
 
 
 @flow(name="asyncrl-campaign", log_prints=False)
@@ -461,7 +466,7 @@ class _Flow:
             outcomes.append(o)
             if stage.promotion == "first_passing" and o.report.passed:
                 break
-        winner = _choose(stage, outcomes)
+        winner, why = _choose(stage, outcomes)
         ladder.plot_stages.append({"stage": stage.name, "candidates": [
             {"candidate": o.candidate, "history": read_metrics(o.run.metrics_path),
              "passed": o.report.passed, "promoted": o is winner} for o in outcomes]})
@@ -469,7 +474,7 @@ class _Flow:
         if winner is None:
             self.stop(index, stage, outcomes, ladder)
             return False
-        self.promote(index, stage, winner, ladder)
+        self.promote(index, stage, winner, ladder, why)
         return True
 
     def stop(self, index: int, stage: Stage, outcomes: list[CandidateOutcome],
@@ -495,12 +500,13 @@ class _Flow:
         _emit(self.events, StageEvent(stage.name, "failed", verdict=verdict))
 
     def promote(self, index: int, stage: Stage, winner: CandidateOutcome,
-                ladder: _Ladder) -> None:
+                ladder: _Ladder, why: str = "") -> None:
         trained = winner.report.samples_trained
         reason = (f"{stage.promotion}: passed {len(winner.report.gates)} gates"
                   + (f" after {trained} samples" if trained is not None else "")
                   + (f", eval {winner.eval_reward:.3f}"
-                     if winner.eval_reward is not None else ""))
+                     if winner.eval_reward is not None else "")
+                  + (f"; {why}" if stage.promotion == "best_eval" and why else ""))
         promo = promote(campaign_id=self.campaign_id, campaign_name=self.campaign.name,
                         stage=stage.name, candidate=winner.candidate,
                         recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,
@@ -558,7 +564,8 @@ class _Flow:
                             tracking_uri=self.tracking_uri)
         gates = [g for g in stage.gates if not (absolute_only and g.relative_to)]
         report = judge(run=run, gates=gates, references=references,
-                       context=GateContext.of(recipe), registry_url=self.registry_url,
+                       context=GateContext.of(recipe, candidates=len(stage.candidates)),
+                       registry_url=self.registry_url,
                        mlflow_run_id=child.id, tracking_uri=self.tracking_uri,
                        where={"campaign_id": self.campaign_id, "stage": stage.name,
                               "candidate": name},

@@ -35,7 +35,8 @@ ST = "async/staleness/max"
 REP = "rollout/repetition_rate"
 
 ALL_GATES = [
-    "engine_mismatch_flat", "entropy_no_blowup", "eval_not_degraded", "eval_tracks_reward", "grad_norm_no_spike", "is_health",
+    "engine_mismatch_flat", "entropy_no_blowup", "eval_not_degraded", "eval_tracks_reward",
+    "grad_norm_no_spike", "is_health",
     "is_weight_mean_band", "logprob_diff_flat", "no_length_surge", "pg_clipfrac",
     "repetition_rate", "reward_not_collapsed", "rollout_logprob_not_decreasing",
     "staleness_within_bound", "zero_variance_groups",

@@ -630,7 +630,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 SUMMARY_KEYS = (
-    "rollout/reward_mean", "eval/reward_mean", "mismatch/train_rollout/logprob_abs_diff/mean",
+    "rollout/reward_mean", "eval/reward_mean", "eval/n",
+    "mismatch/train_rollout/logprob_abs_diff/mean",
     "mismatch/train_rollout/logprob_abs_diff/p99", "mismatch/engine/logprob_abs_diff/mean",
     "async/staleness/mean", "async/staleness/max",
     "policy/entropy/mean", "policy/grad_norm", "rollout/response_length/mean",
