@@ -621,39 +621,93 @@ def _recorded_judgement(run: Path) -> tuple[dict[str, Any] | None, str]:
     return judged, f"the gates, parameters and context campaign run {where or run} was judged with"
 
 
+def _stage_gates(campaign_file: Path, stage_name: str | None,
+                 reference_given: bool) -> tuple[list[dict[str, Any]], str, int]:
+    """The gates (as specs) of ``stage_name`` in ``campaign_file``, a phrase naming them and
+    the stage's candidate count; a one-line error for a bad file or an unknown stage."""
+    from registry.campaign import CampaignError, load_campaign
+
+    try:
+        campaign, _ = load_campaign(campaign_file)
+    except CampaignError as e:
+        fail(str(e))
+    names = [st.name for st in campaign.stages]
+    if stage_name is None:
+        fail(f"--campaign needs --stage: one of {', '.join(names)}")
+    if stage_name not in names:
+        fail(f"campaign {campaign.name!r} has no stage {stage_name!r}; stages: "
+             f"{', '.join(names)}")
+    stage = campaign.stage(stage_name)
+    specs = [g.model_dump() for g in stage.gates]
+    if not reference_given and any(g.get("relative_to") for g in specs):
+        fail(f"stage {stage_name!r} judges relative to a reference stage: pass its promoted "
+             "run with --reference REF_RUN")
+    return specs, f"the gates of stage {stage_name!r} of {campaign_file}", len(stage.candidates)
+
+
 def gates_cmd(
     run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
+    reference: Path | None = typer.Option(None, "--reference", metavar="REF_RUN", help=(
+        "Judge against this reference run (directory or metrics.jsonl), e.g. the sync "
+        "baseline: every gate that can judge relatively does.")),
+    campaign: Path | None = typer.Option(None, "--campaign", metavar="FILE", help=(
+        "Take the gates and parameters of a stage of this campaign (with --stage).")),
+    stage: str | None = typer.Option(None, "--stage", help="The stage of --campaign."),
     gate: list[str] = typer.Option([], "--gate", help="Only these gates."),
     defaults: bool = typer.Option(False, "--defaults", help="Judge with every gate at its "
                                   "default parameters instead of the configuration the run's "
                                   "campaign recorded."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Evaluate stability gates on a run's metric history: with the gates, parameters, reference
-    and context its campaign judged it with (recorded in gate_report.json), else — or with
-    --defaults — every gate at its defaults. The first line says which. Exit 3 if one fails."""
-    from registry.gates import evaluate_gate, gate_names
+    """Evaluate stability gates on a run's metric history — a run of asyncrl or one trained
+    elsewhere and written to JSONL under the metric names (verl's and slime's names are read
+    too). With --reference, against that run; with --campaign/--stage, with that stage's gates
+    and parameters; else with the configuration its campaign recorded (gate_report.json), else
+    (or with --defaults) every gate at its defaults. The first line says which. Exit 0 when
+    every gate passes, 3 when one fails, 1 on bad input."""
+    from registry.gates import GateContext, evaluate_gate, gate_names, summarize
 
     history = _history(run)
-    judged, source = (None, "--defaults") if defaults else _recorded_judgement(run)
-    if judged is None:
-        specs = [{"name": n, "params": {}, "relative_to": None} for n in (gate or gate_names())]
-        used = f"every gate at its default parameters ({source})" if not gate else \
-            f"default parameters ({source})"
-        references: dict[str, Any] = {}
-        context: dict[str, Any] = {}
+    ref_summary = summarize(_history(reference)) if reference is not None else None
+    context: dict[str, Any] = {}
+    references: dict[str, Any] = {}
+    if campaign is not None or stage is not None:
+        if campaign is None:
+            fail("--stage needs --campaign FILE")
+        specs, used, n_candidates = _stage_gates(campaign, stage, reference is not None)
+        specs = [g for g in specs if not gate or g["name"] in gate]
+        context = {"candidates": n_candidates}
+        used += f", against {reference}" if reference is not None else ""
     else:
-        specs = [g for g in judged["gates"] if not gate or g.get("name") in gate]
-        specs += [{"name": n, "params": {}, "relative_to": None} for n in gate
-                  if n not in {g.get("name") for g in specs}]  # asked for, not in the campaign
-        used = f"{source}; --defaults for every gate at its defaults"
-        references = judged.get("references") or {}
-        context = judged.get("context") or {}
+        judged, source = ((None, "--defaults") if defaults or reference is not None
+                          else _recorded_judgement(run))
+        if judged is None:
+            specs = [{"name": n, "params": {}, "relative_to": None}
+                     for n in (gate or gate_names())]
+            used = (f"every gate at its default parameters ({source})" if not gate
+                    else f"default parameters ({source})")
+            if reference is not None:
+                used = f"every gate at its defaults, against {reference}"
+        else:
+            specs = [g for g in judged["gates"] if not gate or g.get("name") in gate]
+            specs += [{"name": n, "params": {}, "relative_to": None} for n in gate
+                      if n not in {g.get("name") for g in specs}]  # asked for, not recorded
+            used = f"{source}; --defaults for every gate at its defaults"
+            references = judged.get("references") or {}
+            context = judged.get("context") or {}
+    recipe, _ = _run_recipe(run)
+    if recipe is not None and "max_staleness" not in context:
+        context = {**GateContext.of(recipe).model_dump(), **context}
+
+    def ref_for(g: dict[str, Any]) -> Any:
+        if ref_summary is not None:
+            return ref_summary
+        return references.get(g["relative_to"]) if g.get("relative_to") else None
+
     try:
         results = [evaluate_gate(g["name"], history, g.get("params") or {},
-                                 reference=references.get(g["relative_to"])
-                                 if g.get("relative_to") else None,
-                                 context=context).to_dict() for g in specs]
+                                 reference=ref_for(g), context=context).to_dict()
+                   for g in specs]
     except (KeyError, ValueError) as e:
         fail(str(e.args[0]) if e.args else str(e))
     if as_json:

@@ -534,11 +534,18 @@ def tail_means(run: Run, keys: Sequence[str], frac: float) -> dict[str, float]:
 
 
 def diagnose_run(run: Run, tail: float = 0.25) -> Diagnosis:
+    """Seed 001's decision tree on a run: the means of the last ``tail`` of every metric and the
+    series its "rising" rules read — the train–rollout |Δlogp| over lag > 0 steps only (one-step's
+    lag-0 first step is not the start of a rise), the staleness KL and the reward (B's "grow"
+    and "continue" rules)."""
     metrics = tail_means(run, run.metric_keys(), tail)
+    lag = dict(run.series(STALENESS_LAG))
     series: dict[str, list[float]] = {}
     for quantity in ("response_length", "pg_clipfrac", "proxy3_pure_noise",
-                     "train_rollout_diff", "engine_diff"):
+                     "train_rollout_diff", "engine_diff", "staleness_kl", "reward"):
         key, pts = run.first_series(METRIC_ALIASES[quantity])
+        if quantity in ("train_rollout_diff", "staleness_kl") and any(v > 0 for v in lag.values()):
+            pts = [(s, v) for s, v in pts if lag.get(s, 1.0) > 0]
         if pts:
             series[key] = [v for _, v in pts]
     return diagnose(metrics, DEFAULT_THRESHOLDS, series)

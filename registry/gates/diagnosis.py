@@ -146,13 +146,17 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     d = diagnose_run(run)
     facts = _recipe_facts(recipe)
 
-    def finding(cause: str, title: str, evidence: list[str], fix: str) -> dict[str, Any]:
+    def finding(cause: str, title: str, evidence: list[str], fix: str,
+                info: bool = False) -> dict[str, Any]:
         override = prescription(cause, **facts)
         return {"cause": cause, "title": title, "evidence": evidence, "fix": fix,
-                "override": override, "override_error": _check_override(recipe, override)}
+                "override": override, "override_error": _check_override(recipe, override),
+                "info": info}
 
+    notes = [finding(f.cause, f.title, [str(e) for e in f.evidence], f.fix, info=True)
+             for f in d.findings if f.info]
     findings = [finding(f.cause, f.title, [str(e) for e in f.evidence], f.fix)
-                for f in d.findings]
+                for f in d.findings if not f.info]
     unseparated_ev = [str(e) for e in d.unseparated]
     lp = evaluate("logprob_diff_flat", run, params_model("logprob_diff_flat")(), None, None)
     if not lp.passed:
@@ -181,6 +185,9 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
         parts.append("the metrics point to cause(s) " + ", ".join(causes) + " of seed 001's "
                      "decision tree: " + "; ".join(f"{f['cause']} = {f['title']}"
                                                    for f in findings))
+    for n in notes:
+        parts.append(f"cause {n['cause']} ({n['title']}) is information only: seed 001's "
+                     "'ESS ≥ 0.5 and reward stable → continue' holds")
     if unseparated is not None:
         parts.append("the train–rollout drift cannot be split into engine mismatch and staleness "
                      "under this run's old_logprob strategy (mismatch/engine/exact "
@@ -197,6 +204,7 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     return {
         "causes": causes,
         "findings": findings,
+        "notes": notes,
         "unseparated": unseparated,
         "engine_exact": d.engine_exact,
         "healthy": d.healthy and not causes and unseparated is None,

@@ -15,8 +15,10 @@ Causes, and the decomposed metrics each reads (names of the learner, docs/contra
        staleness (or nothing), so a crossing there is reported as *unseparated* with the
        prescription to rerun under ``old_logprob: snapshot``.
     B  policy staleness                      ``is/staleness/*`` (π_current vs π_old: k1 KL and the
-       p99 of the ratio), and a rising ``mismatch/train_rollout`` |Δlogp| while the exact engine
-       |Δlogp| stays flat.
+       p99 of the ratio) over their bounds *and growing* where their history is given (seed
+       001: "grow with queue age"), and a rising ``mismatch/train_rollout`` |Δlogp| while the
+       exact engine |Δlogp| stays flat. With ESS ≥ 0.5 and a stable reward the finding is
+       information only (``Finding.info``; seed 001: "continue").
     C  moderate token drift                  χ²_token > 0.3 with ESS ≥ 0.5
     D  IS variance blow-up                   χ²_token > 1, χ²_seq explodes, ESS < 0.5, or
                                              ``policy/proxy3_pure_noise`` rising while an IS
@@ -79,6 +81,7 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "is_weight_mean": ("is/combined/weight_mean",),
     "mask_frac": ("is/combined/mask_frac", "is/engine/mask_frac",
                   "rollout_corr/rollout_rs_masked_fraction"),
+    "reward": ("rollout/reward_mean", "critic/score/mean", "rollout/raw_reward"),
     "train_rollout_diff": (TRAIN_ROLLOUT_DIFF,),
     "engine_diff": (ENGINE_DIFF,),
 }
@@ -108,6 +111,9 @@ class Thresholds:
     pg_clipfrac_max: float = 0.2       # > this and rising → Cause E
     length_surge_ratio: float = 1.20   # length / length 100 steps ago > this → Cause F
     length_window_steps: int = 100
+    # Seed 001, cause B: "If ess ≥ 0.5 and reward is stable, continue." "Stable" (ours): the
+    # reward's last-quarter mean is not more than this fraction below its first quarter's.
+    reward_stable_drop: float = 0.10
     # "When to escalate from RS → IS → systems fix" (seed 001's rule of thumb):
     rs_only_chi2_max: float = 2.0      # RS alone while chi2_token < 2.0 and RS mask < 10%
     rs_tis_chi2_max: float = 4.0       # RS + token TIS for chi2_token in (2.0, 4.0] or mask 10–25%
@@ -131,10 +137,14 @@ class Evidence:
 
 @dataclass(frozen=True)
 class Finding:
+    """One cause the metrics point to. ``info``: the cause's own "continue" rule held (seed
+    001's B: ESS ≥ 0.5 and reward stable), so it is information, not a problem to fix."""
+
     cause: str
     title: str
     evidence: tuple[Evidence, ...]
     fix: str
+    info: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,8 @@ class Diagnosis:
 
     @property
     def causes(self) -> tuple[str, ...]:
-        return tuple(f.cause for f in self.findings)
+        """The causes to act on (information-only findings left out)."""
+        return tuple(f.cause for f in self.findings if not f.info)
 
 
 FIXES: dict[str, tuple[str, str]] = {
@@ -329,12 +340,26 @@ def diagnose(
     # Step 1b: drift magnitude. Same weights → A; across policy versions → B.
     if kl and kl[1] > t.kl_engine:
         add_a(Evidence(kl[0], kl[1], ">", t.kl_engine))
+    # B (seed 001): "kl ... grow[s] with queue age or epoch count". A level over the healthy
+    # bound is B only when the staleness KL is also rising (last quarter > diff_rise_ratio × the
+    # first) where its history is known: one step of lag has a fixed KL that is the size of one
+    # update, whatever the learning rate puts it at, and is no instability by itself.
     stale = _get(metrics, "staleness_kl")
-    if stale and stale[1] > t.kl_healthy:
-        add("B", Evidence(stale[0], stale[1], ">", t.kl_healthy))
-    stale_p99 = _get(metrics, "staleness_ratio_p99")
-    if stale_p99 and stale_p99[1] > t.staleness_ratio_p99:
-        add("B", Evidence(stale_p99[0], stale_p99[1], ">", t.staleness_ratio_p99))
+    stale_series = series("staleness_kl")
+    stale_rising: Evidence | None = None
+    if stale_series:
+        first, last = _quarter_means(stale_series[1])
+        if first > 0 and last > t.diff_rise_ratio * first:
+            stale_rising = Evidence(f"{stale_series[0]} last/first quarter", last / first, ">",
+                                    t.diff_rise_ratio)
+    if stale_series is None or stale_rising is not None:
+        if stale and stale[1] > t.kl_healthy:
+            add("B", Evidence(stale[0], stale[1], ">", t.kl_healthy))
+        stale_p99 = _get(metrics, "staleness_ratio_p99")
+        if stale_p99 and stale_p99[1] > t.staleness_ratio_p99:
+            add("B", Evidence(stale_p99[0], stale_p99[1], ">", t.staleness_ratio_p99))
+        if stale_rising is not None and "B" in found:
+            add("B", stale_rising)
     _attribute_rise(t, series("train_rollout_diff"), series("engine_diff"), engine_exact,
                     add, unseparated)
     # Step 1c: correction variance.
@@ -386,13 +411,31 @@ def diagnose(
     same_weights = pearson if pearson and (engine_exact or not pearson[0].startswith(
         ENGINE_PREFIX)) else None
     escalation = _escalation(t, chi2, _get(metrics, "mask_frac"), ess, same_weights)
+    b_info = "B" in found and _b_may_continue(t, ess, series("reward"), add_note=found["B"])
     findings = tuple(
-        Finding(cause=c, title=FIXES[c][0], evidence=tuple(found[c]), fix=FIXES[c][1])
+        Finding(cause=c, title=FIXES[c][0], evidence=tuple(found[c]), fix=FIXES[c][1],
+                info=c == "B" and b_info)
         for c in sorted(found)
     )
     return Diagnosis(findings=findings, healthy=healthy, escalation=escalation,
                      missing=tuple(dict.fromkeys(missing)), engine_exact=exact,
                      unseparated=tuple(unseparated))
+
+
+def _b_may_continue(t: Thresholds, ess: tuple[str, float] | None,
+                    reward: tuple[str, list[float]] | None, add_note: list[Evidence]) -> bool:
+    """Seed 001, cause B: "If ess ≥ 0.5 and reward is stable, continue." True when both are
+    measured and hold (their evidence is appended to B's); an unmeasured ESS or reward keeps B
+    a cause to act on."""
+    if ess is None or reward is None or ess[1] < t.ess_min:
+        return False
+    first, last = _quarter_means(reward[1])
+    floor = first - t.reward_stable_drop * abs(first)
+    if last < floor:
+        return False
+    add_note.append(Evidence(ess[0], ess[1], "≥", t.ess_min))
+    add_note.append(Evidence(f"{reward[0]} last quarter", last, "≥", floor))
+    return True
 
 
 def _attribute_rise(t: Thresholds, train_rollout: tuple[str, list[float]] | None,

@@ -200,3 +200,30 @@ def test_every_prescription_loads_as_a_valid_recipe(cause, moe):
             assert {k: node[k] for k in value} == value
         else:
             assert node == value
+
+
+def test_b_needs_a_growing_staleness_kl_when_its_history_is_known():
+    """Seed 001: B's KL "grow[s] with queue age"; a flat KL over the bound is one update's size."""
+    flat = {"is/staleness/kl_k1": [0.04] * 8}
+    assert diagnose({**EXACT, "is/staleness/kl_k1": 0.04}, history=flat).causes == ()
+    rising = {"is/staleness/kl_k1": [0.01, 0.01, 0.02, 0.02, 0.03, 0.03, 0.04, 0.04]}
+    d = diagnose({**EXACT, "is/staleness/kl_k1": 0.04}, history=rising)
+    assert d.causes == ("B",)
+    # first quarter 0.01, last 0.04: ×4 > 1.5
+    assert "is/staleness/kl_k1 last/first quarter = 4 > 1.5" in map(str, d.findings[0].evidence)
+
+
+def test_b_with_ess_and_a_stable_reward_is_information_only():
+    """Seed 001: "If ess ≥ 0.5 and reward is stable, continue.\""""
+    rising = {"is/staleness/kl_k1": [0.01, 0.01, 0.02, 0.02, 0.03, 0.03, 0.04, 0.04]}
+    metrics = {**EXACT, "is/staleness/kl_k1": 0.04, "is/combined/ess": 0.9}
+    stable = diagnose(metrics, history={**rising, "rollout/reward_mean": [0.5] * 8})
+    assert [(f.cause, f.info) for f in stable.findings] == [("B", True)]
+    assert stable.causes == ()  # nothing to act on
+    assert "is/combined/ess = 0.9 ≥ 0.5" in map(str, stable.findings[0].evidence)
+    # reward falling 0.5 → 0.4 (20 % > 10 %) keeps B a cause; so does an ESS under 0.5
+    falling = [0.5, 0.5, 0.5, 0.45, 0.45, 0.4, 0.4, 0.4]
+    assert diagnose(metrics, history={**rising, "rollout/reward_mean": falling}).causes == ("B",)
+    low = diagnose({**metrics, "is/combined/ess": 0.4},
+                   history={**rising, "rollout/reward_mean": [0.5] * 8})
+    assert "B" in low.causes
