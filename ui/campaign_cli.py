@@ -687,7 +687,8 @@ def gates_cmd(
             used = (f"every gate at its default parameters ({source})" if not gate
                     else f"default parameters ({source})")
             if reference is not None:
-                used = f"every gate at its defaults, against {reference}"
+                used = ("every gate at its defaults" if not gate
+                        else "default parameters") + f", against {reference}"
         else:
             specs = [g for g in judged["gates"] if not gate or g.get("name") in gate]
             specs += [{"name": n, "params": {}, "relative_to": None} for n in gate
