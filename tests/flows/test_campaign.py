@@ -254,3 +254,31 @@ def test_the_flow_reports_its_progress_as_typed_events(campaign_run):
         ("stage", "baseline", "promoted (earlier)"), ("stage", "async", "promoted (earlier)")]
     last = EVENTS["stopped"][-1]
     assert isinstance(last, StageEvent) and last.status == "failed" and last.verdict
+
+
+def test_the_campaign_report_is_generated_from_the_records(campaign_run):
+    """`asyncrl campaign report` (issue 26): every candidate's row with its gates' values and
+    limits as recorded, the promotion with its reason, the evidence below."""
+    from typer.testing import CliRunner
+
+    from registry.db import RegistryDB
+    from ui.cli import app
+
+    db = RegistryDB()
+    runs = {(r.stage, r.candidate): db.gate_results(r.id) for r in db.runs("e2e-1")}
+    reason = next(p.reason for p in db.promotions(campaign_id="e2e-1") if p.stage == "async")
+    db.close()
+    res = CliRunner().invoke(app, ["campaign", "report", "e2e-1"])
+    assert res.exit_code == 0, res.output
+    text = res.output
+    assert text.startswith("# Campaign `e2e-1` (e2e): finished")
+    assert "## Stage 1: baseline (finished)" in text and "## Stage 2: async (finished)" in text
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| candidate")}
+    assert rows["one-step"].endswith("| failed |") and rows["sync"].endswith("| promoted |")
+    stale = next(g for g in runs[("async", "one-step")] if g.name == "staleness_within_bound")
+    assert f"✗ staleness_within_bound {stale.value:g} vs {stale.threshold:g}" in rows["one-step"]
+    assert f"Promoted: **sync** — {reason}" in text
+    assert f"- `one-step` FAIL `staleness_within_bound`: {stale.evidence}" in text
+    bad = CliRunner().invoke(app, ["campaign", "report", "nope"])
+    assert bad.exit_code == 1 and "no campaign 'nope'" in bad.output
