@@ -30,6 +30,7 @@ of a stage passes, the campaign stops with a verdict and a decision-tree diagnos
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -59,6 +60,8 @@ from registry.campaign import (
     StartingPoint,
     load_campaign,
     reference_name,
+    seed_name,
+    seeded,
     stage_recipes,
 )
 from registry.gates import GateContext
@@ -307,12 +310,9 @@ def _choose(stage: Stage, outcomes: list[CandidateOutcome]
     moves past the first passing candidate only beyond noise) and the reason in words."""
     from registry.promotion import Contender, choose
 
-    passing = [o for o in outcomes if o.report.passed]
-    choice = choose(stage.promotion, [
-        Contender(o.candidate, o.eval_reward,
-                  float(o.run.summary["eval/n"]) if isinstance(o.run.summary.get("eval/n"),
-                                                               int | float) else None)
-        for o in passing])
+    passing = [o for o in outcomes if o.passed]
+    choice = choose(stage.promotion,
+                    [Contender(o.candidate, o.eval_reward, o.eval_n) for o in passing])
     return (None if choice.index is None else passing[choice.index]), choice.reason
 
 
@@ -453,23 +453,38 @@ class _Flow:
                               start=ladder.start)
         self.db.upsert_stage(self.campaign_id, stage.name, index, "running")
         _emit(self.events, StageEvent(stage.name, "running"))
-        stage_refs, reference_runs = dict(ladder.references), {}
-        for ref, ref_recipe in built.references.items():  # rerun_reference
-            o = self.train_and_judge(stage, reference_name(ref), ref_recipe, references={},
-                                     reference_runs={}, absolute_only=True)
-            stage_refs[ref] = o.report.summary_for_reference
-            reference_runs[ref] = o.run.run_dir
+        # a re-run reference runs the stage's seeds; a candidate's seed j is judged against the
+        # reference's seed j, or its seed 0 where the reference has fewer seeds
+        ref_summaries: list[dict[str, dict[str, float]]] = []
+        ref_dirs: list[dict[str, str]] = []
+        for j in range(stage.seeds):
+            ref_summaries.append(dict(ladder.references))
+            ref_dirs.append({})
+            for ref, ref_recipe in built.references.items():  # rerun_reference
+                o = self.train_and_judge(stage, seed_name(reference_name(ref), j),
+                                         seeded(ref_recipe, j), references={},
+                                         reference_runs={}, absolute_only=True)
+                ref_summaries[j][ref] = o.report.summary_for_reference
+                ref_dirs[j][ref] = o.run.run_dir
+
+        def judged_against(j: int) -> int:
+            return j if j < len(ref_summaries) else 0
+
         outcomes: list[CandidateOutcome] = []
         for cand, recipe in built.candidates:
-            o = self.train_and_judge(stage, cand.name, recipe, references=stage_refs,
-                                     reference_runs=reference_runs)
+            runs = [self.train_and_judge(stage, seed_name(cand.name, j), seeded(recipe, j),
+                                         references=ref_summaries[judged_against(j)],
+                                         reference_runs=ref_dirs[judged_against(j)])
+                    for j in range(stage.seeds_for(cand))]
+            o = dataclasses.replace(runs[0], more_seeds=tuple(runs[1:]))
             outcomes.append(o)
-            if stage.promotion == "first_passing" and o.report.passed:
+            if stage.promotion == "first_passing" and o.passed:
                 break
         winner, why = _choose(stage, outcomes)
         ladder.plot_stages.append({"stage": stage.name, "candidates": [
-            {"candidate": o.candidate, "history": read_metrics(o.run.metrics_path),
-             "passed": o.report.passed, "promoted": o is winner} for o in outcomes]})
+            {"candidate": s.candidate, "history": read_metrics(s.run.metrics_path),
+             "passed": s.report.passed, "promoted": s is winner}
+            for o in outcomes for s in o.all_seeds]})
         reached(f"judged:{stage.name}")
         if winner is None:
             self.stop(index, stage, outcomes, ladder)
@@ -486,7 +501,7 @@ class _Flow:
         worst = outcomes[-1]
         # the last candidate's own recipe tailors the prescribed override to it
         diag = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
-        failed = "; ".join(f"{o.candidate}: " + ", ".join(o.report.failed_gates)
+        failed = "; ".join(f"{o.candidate}: " + ", ".join(o.failed_gates)
                            for o in outcomes)
         verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
                    f"diagnosis: {diag.get('summary', '')}")

@@ -63,7 +63,10 @@ class PromotionResult:
 
 @dataclass(frozen=True)
 class CandidateOutcome:
-    """One candidate trained and judged: its recipe (and hash), run, gate report and MLflow run."""
+    """One candidate trained and judged: its recipe (and hash), run, gate report and MLflow run —
+    seed 0's — and, for a candidate of several seeds, the outcomes of seeds 1… (``more_seeds``,
+    each its own run ``<candidate>.s<j>``). The rule for seeds: the candidate passes only when
+    every seed passes; its eval is the seeds' mean, on their pooled ``eval/n``."""
 
     candidate: str
     recipe: Recipe
@@ -71,8 +74,35 @@ class CandidateOutcome:
     run: TrainedRun
     report: GateReport
     mlflow_run_id: str | None
+    more_seeds: tuple[CandidateOutcome, ...] = ()
+
+    @property
+    def all_seeds(self) -> tuple[CandidateOutcome, ...]:
+        return (self, *self.more_seeds)
+
+    @property
+    def passed(self) -> bool:
+        return all(o.report.passed for o in self.all_seeds)
+
+    @property
+    def failed_gates(self) -> list[str]:
+        """Gates some seed failed, each once (first seen first); a seed's run name is added
+        when it is not seed 0's."""
+        out: list[str] = []
+        for o in self.all_seeds:
+            tag = "" if o is self else f" ({o.candidate})"
+            out += [g + tag for g in o.report.failed_gates if g + tag not in out]
+        return out
 
     @property
     def eval_reward(self) -> float | None:
-        v = self.run.summary.get("eval/reward_mean")
-        return float(v) if v is not None else None
+        evals = [float(v) for o in self.all_seeds
+                 if (v := o.run.summary.get("eval/reward_mean")) is not None]
+        return sum(evals) / len(evals) if evals else None
+
+    @property
+    def eval_n(self) -> float | None:
+        ns = [o.run.summary.get("eval/n") for o in self.all_seeds]
+        if not ns or any(not isinstance(n, int | float) for n in ns):
+            return None
+        return float(sum(ns))

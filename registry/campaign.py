@@ -49,6 +49,7 @@ from training.recipe import (
 from training.yamlfile import (
     PlainDataError,
     YamlBool,
+    YamlInt,
     YamlOptInt,
     describe,
     format_validation_error,
@@ -72,6 +73,28 @@ __all__ = [
 
 #: A recipe's upper bound on steps (training.recipe.Recipe.steps).
 _MAX_STEPS = 1_000_000
+
+
+MAX_SEEDS = 16
+
+
+def seed_name(candidate: str, j: int) -> str:
+    """The run name of a candidate's seed ``j``: the candidate's own name for seed 0, else
+    ``<candidate>.s<j>``."""
+    return candidate if j == 0 else f"{candidate}.s{j}"
+
+
+def seeded(recipe: Recipe, j: int) -> Recipe:
+    """``recipe`` at its seed + ``j`` from the same start: a warm-started model keeps the warm
+    start of the recipe's own seed (``model.seed``), so only the RL randomness changes (prompt
+    draw, sampling, the task's split: seeds are compared as independent samples)."""
+    if j == 0:
+        return recipe
+    data = recipe.to_dict()
+    data["seed"] = recipe.seed + j
+    if data["model"].get("kind") == "warmstart" and data["model"].get("seed") is None:
+        data["model"]["seed"] = recipe.seed
+    return recipe_from_dict(data, f"{recipe.name} (seed +{j})")
 
 
 def reference_name(stage: str) -> str:
@@ -130,6 +153,8 @@ class Candidate(_Strict):
     overrides: dict[str, Any] = Field(default_factory=dict, description=(
         "Recipe overrides (nested mappings or dotted keys, e.g. {algorithm.routing_replay: r3})."))
     description: str = Field("", description="What the candidate tries (for reports).")
+    seeds: YamlOptInt = Field(None, ge=1, le=MAX_SEEDS, description=(
+        "Seeds this candidate runs (null: the stage's `seeds`)."))
 
     _overrides = field_validator("overrides")(_plain)
 
@@ -162,6 +187,11 @@ class Stage(_Strict):
         "Samples (responses) each candidate trains: its steps are ceil(samples / the "
         "candidate's samples per step), so candidates with different batch sizes see the same "
         "data. Exclusive with steps."))
+    seeds: YamlInt = Field(1, ge=1, le=MAX_SEEDS, description=(
+        "Seeds each candidate (and each re-run reference) runs from the same start: seed j > 0 "
+        "is the recipe with seed + j, named '<candidate>.s<j>', judged against the reference's "
+        "seed j (or its only seed). A candidate passes only when it passes at every seed; "
+        "best_eval compares the seeds' mean eval on their pooled eval/n."))
     rerun_reference: YamlBool = Field(False, description=(
         "Before the candidates, re-run the promoted recipe of every stage a gate names in "
         "relative_to from this stage's starting checkpoint, with this stage's overrides except "
@@ -195,7 +225,21 @@ class Stage(_Strict):
                              "steps: equal steps)")
         if self.rerun_reference:
             self._check_rerun()
+        for c in self.candidates:
+            last = self.seeds_for(c) - 1
+            if last:
+                try:
+                    _check_name(seed_name(c.name, last), "seeded candidate name")
+                except ValueError:
+                    raise ValueError(f"stage {self.name!r}: candidate {c.name!r} with "
+                                     f"{last + 1} seeds names its runs up to "
+                                     f"{seed_name(c.name, last)!r}, longer than 64 characters; "
+                                     "shorten the candidate name") from None
         return self
+
+    def seeds_for(self, candidate: Candidate) -> int:
+        """How many seeds ``candidate`` runs (its own ``seeds``, else the stage's)."""
+        return candidate.seeds if candidate.seeds is not None else self.seeds
 
     def _check_rerun(self) -> None:
         refs = self.reference_stages()

@@ -194,6 +194,10 @@ class WarmStartModel(_Strict):
         "Supervised warm-start steps (700 reaches ~1.0 greedy accuracy at k=2 on sum_digits)."))
     hidden_size: YamlInt = Field(128, ge=16, le=4096, description="Model width d.")
     num_layers: YamlInt = Field(4, ge=1, le=64, description="Transformer layers.")
+    seed: YamlOptInt = Field(None, ge=0, le=2**31 - 1, description=(
+        "Seed of the warm start; null (default) takes the recipe's seed. A campaign's extra "
+        "seeds (stage or candidate `seeds:`) pin it, so every seed starts from the same "
+        "weights."))
 
     @model_validator(mode="after")
     def _top_k(self) -> WarmStartModel:
@@ -1233,6 +1237,7 @@ _ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
     ("algorithm", "loss", "loss_scale_factor", None),
     ("algorithm", "loss", "dro_beta", None),
     ("model", None, "origin", None),
+    ("model", None, "seed", None),
     ("model", None, "moe_experts", None),
     ("engines", None, "rollout_threads", 1),
     ("engines", None, "train_threads", 1),

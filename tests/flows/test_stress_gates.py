@@ -12,9 +12,10 @@ off-policy generation (``recipes/stress-one_step.yaml``'s only change) and tries
 ``entropy_no_blowup`` relative to the baseline must fail the first and pass the second; the stage
 runs both (``best_eval``) and promotes ``stable``. ``logprob_diff_flat`` judges both on growth
 only (issue 26: in a lagged mode the level of the train–rollout gap is lag × the size of one
-update, which the evidence shows beside the engine gap, and is not by itself instability). The model is shrunk (2 layers of width 32, short
-warm start) so the campaign takes about 1-3 minutes on 2 cores; the recipes' own settings (MoE,
-4 PPO epochs, clip-higher, one-step) are kept.
+update, which the evidence shows beside the engine gap, and is not by itself instability).
+The model is shrunk (2 layers of width 32, short warm start) so the campaign takes about 1-3
+minutes on 2 cores; the recipes' own settings (MoE, 4 PPO epochs, clip-higher, one-step) are
+kept.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = 
 
     m = recipe.model
     cfg = WarmStartConfig(task=recipe.task.name, task_args=tuple(sorted(recipe.task.args.items())),
-                          seed=recipe.seed, steps=m.warmstart_steps, hidden_size=m.hidden_size,
+                          seed=recipe.seed if m.seed is None else m.seed,
+                          steps=m.warmstart_steps, hidden_size=m.hidden_size,
                           num_layers=m.num_layers, moe_experts=m.moe_experts,
                           moe_top_k=m.moe_top_k)
     return warm_start(cfg, None, progress=progress).path
