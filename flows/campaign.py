@@ -228,12 +228,10 @@ def judge(*, run: TrainedRun, gates: list[GateSpec],
     from training.runtime.sinks import read_metrics
 
     history = read_metrics(run.metrics_path)
-    results = []
-    for g in gates:
-        ref = references.get(g.relative_to) if g.relative_to else None
-        results.append(evaluate_gate(g.name, history, g.params, reference=ref,
-                                     context=context).to_dict())
-    passed = all(r["passed"] for r in results)
+    results = [evaluate_gate(g.name, history, g.params, context=context,
+                             reference=references.get(g.relative_to) if g.relative_to else None)
+               for g in gates]
+    passed = all(r.passed for r in results)
     used = {g.relative_to for g in gates if g.relative_to}
     trained = samples_trained(run.summary, history, samples_per_step)
     report = GateReport(
@@ -249,7 +247,7 @@ def judge(*, run: TrainedRun, gates: list[GateSpec],
     atomic_write_text(run_dir / "gate_report.json",
                       json.dumps(report.to_file(), indent=2, default=str))
     with RegistryDB(registry_url) as db:
-        db.record_gate_results(run.run_id, results)
+        db.record_gate_results(run.run_id, [r.to_dict() for r in results])
     if mlflow_run_id:
         tracker = Tracker(tracking_uri)
         tracker.log_dict(mlflow_run_id, report.to_file(), "gate_report.json")
@@ -592,7 +590,8 @@ class _Flow:
         shown = ("reference" if absolute_only
                  else "passed" if report.passed else "rejected")
         _emit(self.events, CandidateEvent(stage.name, name, shown, recipe_hash=rhash,
-                                          summary=run.summary, gates=report.gates,
+                                          summary=run.summary,
+                                          gates=[g.to_dict() for g in report.gates],
                                           samples_trained=report.samples_trained))
         return CandidateOutcome(candidate=name, recipe=recipe, recipe_hash=rhash, run=run,
                                 report=report, mlflow_run_id=child.id)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from registry.gates import GateResult
     from training.recipe import Recipe
 
 __all__ = ["CandidateOutcome", "GateReport", "PromotionResult", "TrainedRun"]
@@ -31,10 +32,11 @@ class GateReport:
     """The stage's gates on one run (``judge``): whether all passed, each gate's result (the
     registry's gate-result layout), the samples the run trained, what it was judged with
     (gates, params, references, context, where) and the run's own summary as a reference for
-    later stages (``summary_for_reference``, not written to the file)."""
+    later stages (``summary_for_reference``, not written to the file). ``gates`` are the typed
+    :class:`~registry.gates.GateResult`; :meth:`to_file` turns them into JSON."""
 
     passed: bool
-    gates: list[dict[str, Any]]
+    gates: list[GateResult]
     run_dir: str
     summary: dict[str, Any]
     samples_trained: int | None
@@ -43,13 +45,13 @@ class GateReport:
 
     def to_file(self) -> dict[str, Any]:
         """The ``gate_report.json`` layout (and MLflow's copy)."""
-        out = asdict(self)
-        out.pop("summary_for_reference")
+        out = {k: v for k, v in asdict(self).items() if k != "summary_for_reference"}
+        out["gates"] = [g.to_dict() for g in self.gates]
         return out
 
     @property
     def failed_gates(self) -> list[str]:
-        return [g["name"] for g in self.gates if not g["passed"]]
+        return [g.name for g in self.gates if not g.passed]
 
 
 @dataclass(frozen=True)
