@@ -51,7 +51,7 @@ def test_abs_diff_stats(check):
 
 @pytest.mark.slow
 def test_the_whole_check_passes_on_the_cpu(check, capsys, tmp_path):
-    pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e '.[megatron]')")
+    pytest.importorskip("megatron.core", reason="needs megatron-core (pip install -e .[megatron])")
     code = check.main(["--device", "cpu", "--steps", "2", "--sharpen-steps", "5",
                        "--bench-steps", "0", "--json", str(tmp_path / "figures.json")])
     out = capsys.readouterr().out
