@@ -232,13 +232,16 @@ def test_diagnose_prints_cause_b_and_an_override_that_loads(tmp_path):
     # snapshot, one-step: the exact engine gap flat at 0.006, π_current drifting away from μ
     rows = [{"step": s, "mismatch/train_rollout/logprob_abs_diff/mean": 0.006 + 0.002 * s,
              "mismatch/engine/logprob_abs_diff/mean": 0.006, "mismatch/engine/exact": 1.0,
-             "is/staleness/kl_k1": 0.03} for s in range(12)]
+             "is/staleness/kl_k1": 0.01 + 0.002 * s} for s in range(12)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = runner.invoke(app, ["diagnose", str(tmp_path)])
     assert res.exit_code == 0, res.output
     out = res.stdout
     assert "cause B: policy staleness" in out and "cause A" not in out
+    # the staleness KL grows (0.01 → 0.032; last/first quarter 0.03 / 0.012 = 2.5 > 1.5):
+    # seed 001's B, with its level over the healthy bound as evidence (last quarter 0.03)
     assert "  evidence: is/staleness/kl_k1 = 0.03 > 0.02" in out
+    assert "  evidence: is/staleness/kl_k1 last/first quarter = 2.5 > 1.5" in out
     # the indented YAML block after the header is the override, ready to paste
     block = out.split("prescribed override (paste into a campaign candidate):\n", 1)[1]
     lines = []
