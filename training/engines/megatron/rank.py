@@ -427,6 +427,11 @@ class MegatronRank(RetainedState, RouteReplay):
             # weights fp32): cast all, as Float16Module does for the live model, so a snapshot's
             # (unwrapped) shadow model is the same bf16 model
             model.bfloat16()
+        if not on_cpu():
+            # without apex megatron builds the local spec's norms (and the MoE router) as plain
+            # torch modules on the CPU; Megatron-LM's trainer moves the model with .cuda() after
+            # building it, and so do we (found by benchmarks/gpu_megatron_check.py on an H200)
+            model.cuda(torch.cuda.current_device())
         # this engine drives each router's RouterReplay itself; drop them from megatron's
         # process-global list so models built in one process never share replay state
         mine = {id(r) for r in _router_replays(model)}
