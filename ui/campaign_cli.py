@@ -493,6 +493,37 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
                   f"{p.status}, by {p.actor}: {p.reason})")
 
 
+@campaign_app.command("report")
+def report(campaign_id: str | None = typer.Argument(None, help="Campaign id (default: the "
+                                                     "newest)."),
+           markdown: bool = typer.Option(True, "--markdown/--no-evidence", help=(
+               "Markdown with every gate's evidence (default), or the tables alone.")),
+           out: Path | None = typer.Option(None, "--out", help="Write to FILE.")) -> None:
+    """A campaign's report in Markdown, generated from its records: per stage, each candidate's
+    figures (q1 → q4 of the train–rollout and engine |Δlogp| and the reward, eval first → last
+    with its n, max staleness), every gate's value vs its limit and verdict, the promotion and
+    its reason, then each gate's evidence."""
+    from registry.report import campaign_report
+
+    db = _read_db()
+    if campaign_id is None:
+        campaigns = sorted(db.list_campaigns(), key=lambda c: c.created_at)
+        if not campaigns:
+            fail("no campaigns yet; start one with `asyncrl campaign launch campaigns/quick.yaml`")
+        campaign_id = campaigns[-1].id
+    try:
+        text = campaign_report(db, campaign_id, evidence=markdown)
+    except ValueError as e:
+        fail(str(e))
+    finally:
+        db.close()
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}")
+
+
 def _num(v: Any) -> str:
     return "—" if v is None else f"{float(v):.3g}"
 
