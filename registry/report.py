@@ -9,9 +9,8 @@ with its ``eval/n``. Nothing here writes: the report reads the registry and the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from registry.gates.core import (
     ENGINE_DIFF,
@@ -55,20 +54,18 @@ def _gate_cell(g: GateRecord) -> str:
     return f"{mark} {g.name} {fmt(g.value)} vs {fmt(g.threshold)}"
 
 
-def _history(run_dir: str | None) -> Run:
-    from training.runtime.sinks import read_metrics
-
-    path = Path(run_dir or "") / "metrics.jsonl"
-    return Run(read_metrics(path) if run_dir and path.is_file() else [])
+#: Reads a run directory's metric history (``[]`` when there is none); the caller supplies it
+#: (the CLI: ``training.runtime.sinks.read_metrics``), so the registry stays on the schema side.
+HistoryLoader = Callable[[str | None], Sequence[Mapping[str, Any]]]
 
 
-def _stage_table(runs: Sequence[tuple[RunRecord, list[GateRecord]]], promoted: str | None
-                 ) -> list[str]:
+def _stage_table(runs: Sequence[tuple[RunRecord, list[GateRecord]]], promoted: str | None,
+                 load: HistoryLoader) -> list[str]:
     lines = ["| candidate | steps | train–rollout \\|Δlogp\\| q1 → q4 | engine \\|Δlogp\\| q1 → q4 "
              "| reward q1 → q4 | eval first → last | max staleness | gates (value vs limit) | "
              "verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r, gates in runs:
-        run = _history(r.run_dir)
+        run = Run(load(r.run_dir))
         st = run.series(STALENESS_MAX)
         verdict = ("promoted" if r.candidate == promoted else
                    "reference" if r.candidate.startswith("reference-") else
@@ -82,8 +79,10 @@ def _stage_table(runs: Sequence[tuple[RunRecord, list[GateRecord]]], promoted: s
     return lines
 
 
-def campaign_report(db: RegistryDB, campaign_id: str, *, evidence: bool = True) -> str:
-    """The Markdown report of campaign ``campaign_id`` (ValueError when unknown)."""
+def campaign_report(db: RegistryDB, campaign_id: str, load: HistoryLoader, *,
+                    evidence: bool = True) -> str:
+    """The Markdown report of campaign ``campaign_id`` (ValueError when unknown), the runs'
+    histories read with ``load``."""
     row = db.get_campaign(campaign_id)
     if row is None:
         raise ValueError(f"no campaign {campaign_id!r}; `asyncrl campaign list` shows them")
@@ -95,7 +94,7 @@ def campaign_report(db: RegistryDB, campaign_id: str, *, evidence: bool = True) 
         runs = [(r, db.gate_results(r.id)) for r in db.runs(campaign_id, st.name)]
         promo = promotions.get(st.name)
         out += [f"## Stage {st.index + 1}: {st.name} ({st.status})", ""]
-        out += _stage_table(runs, promo.candidate if promo else None)
+        out += _stage_table(runs, promo.candidate if promo else None, load)
         out.append("")
         if promo is not None:
             out += [f"Promoted: **{promo.candidate}** — {promo.reason}", ""]

@@ -504,6 +504,11 @@ def report(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
     with its n, max staleness), every gate's value vs its limit and verdict, the promotion and
     its reason, then each gate's evidence."""
     from registry.report import campaign_report
+    from training.runtime.sinks import read_metrics
+
+    def load(run_dir: str | None) -> list[dict[str, Any]]:
+        path = Path(run_dir or "") / "metrics.jsonl"
+        return read_metrics(path) if run_dir and path.is_file() else []
 
     db = _read_db()
     if campaign_id is None:
@@ -512,7 +517,7 @@ def report(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
             fail("no campaigns yet; start one with `asyncrl campaign launch campaigns/quick.yaml`")
         campaign_id = campaigns[-1].id
     try:
-        text = campaign_report(db, campaign_id, evidence=markdown)
+        text = campaign_report(db, campaign_id, load, evidence=markdown)
     except ValueError as e:
         fail(str(e))
     finally:
