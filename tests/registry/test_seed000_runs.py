@@ -135,3 +135,17 @@ def test_each_failure_is_caught_by_the_gate_for_its_problem(ladder):
     assert "logprob_diff_flat" not in why["m2po-cutoff"]
     assert "eval_tracks_reward" in why["naive-fifo"]
     assert {"reward_not_collapsed", "entropy_no_blowup"} <= why["group16-std-grpo"]
+
+
+def test_the_decision_tree_names_no_cause_on_the_flat_lagged_run():
+    """Seed 001's tree on the same histories: the run flat at 5× the sync level (lag × one
+    update, not growth) gets no cause; the uncorrected one's growing gap is named — unseparated,
+    since these histories carry no engine split (the prescription: rerun under snapshot)."""
+    from registry.gates import diagnosis_for
+
+    runs = {name: h for _, name, h, _ in RUNS}
+    healthy = diagnosis_for(runs["flat-at-5x-sync"])
+    assert healthy["causes"] == [] and healthy["unseparated"] is None, healthy["summary"]
+    grown = diagnosis_for(runs["no-correction"])
+    assert grown["unseparated"] is not None
+    assert grown["unseparated"]["override"] == {"algorithm.old_logprob": "snapshot"}
