@@ -171,7 +171,8 @@ def warmstart(
     steps: int = typer.Option(700, help="Optimisation steps."),
     seed: int = typer.Option(0, help="Seeds the weights, the task split and the batches."),
     batch_size: int = typer.Option(64, help="Sequences per step."),
-    lr: float = typer.Option(3e-3, help="Peak learning rate (warm-up, then cosine decay)."),
+    lr: float = typer.Option(2e-3, help="Peak learning rate (warm-up, then cosine decay to 0; "
+                             "torch threads are sized to the free cores)."),
     eval_n: int = typer.Option(400, help="Eval-split examples for the final greedy evaluation."),
     moe_experts: int = typer.Option(0, help="0 = dense; else upcycle to this many experts."),
     moe_top_k: int = typer.Option(2, help="Experts per token of the upcycled MoE model."),
