@@ -198,6 +198,8 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
         limit, limit_txt = _eval_limit(p.max_eval_drop, p.alpha, context.candidates, se)
         value = e_first - e_last
         diverged = rise > p.min_rise and value > limit
+        if value > limit and not diverged:  # what decided is the reward, which did not rise
+            value, limit = rise, p.min_rise
         clauses.append(f"training reward {fmt(r_first)} → {fmt(r_last)} (change {rise:+.4g} "
                        f"{'>' if rise > p.min_rise else '≤'} {fmt(p.min_rise)}) while {fall_txt} "
                        f"{'>' if value > limit else '≤'} {limit_txt}")
@@ -207,7 +209,7 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
         ref_limit, limit_txt = _eval_limit(p.max_eval_drop, p.alpha, context.candidates, se)
         below_ref = ref - e_last > ref_limit
         clauses.append(f"{fall_txt} {'>' if below_ref else '≤'} {limit_txt}")
-        if below_ref or value is None:
+        if not diverged:  # the reference comparison is what decided
             value, limit = ref - e_last, ref_limit
     verdict = ("simplicity bias: " if diverged else "eval fell below the reference: "
                if below_ref else "eval tracks reward: ")
