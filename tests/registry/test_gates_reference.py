@@ -18,3 +18,16 @@ def test_every_gate_and_parameter_is_documented():
     for name in gate_names():
         assert f"### `{name}`" in text
     assert "Bonferroni" in text and "`eval/n`" in text
+
+
+def test_the_evidence_page_is_generated_from_the_real_histories():
+    import importlib.util
+
+    root = DOC.parents[1]
+    spec = importlib.util.spec_from_file_location("gate_evidence",
+                                                  root / "benchmarks" / "gate_evidence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (root / "docs" / "gate-evidence.md").read_text() == module.markdown(), (
+        "docs/gate-evidence.md is out of date: run "
+        "`python benchmarks/gate_evidence.py > docs/gate-evidence.md`")
