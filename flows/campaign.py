@@ -225,11 +225,20 @@ def judge(*, run: TrainedRun, gates: list[GateSpec],
     from flows.tracking import Tracker
     from registry.db import RegistryDB
     from registry.gates import evaluate_gate, summarize
+    from training.evals import EVAL_FILE, EvalOutcome, read_evals
     from training.runtime.sinks import read_metrics
 
     history = read_metrics(run.metrics_path)
+    evals = read_evals(Path(run.run_dir) / EVAL_FILE)
+
+    def reference_eval(name: str | None) -> EvalOutcome | None:
+        ref_dir = (reference_runs or {}).get(name) if name else None
+        outcomes = read_evals(Path(ref_dir) / EVAL_FILE) if ref_dir else []
+        return outcomes[-1] if outcomes else None
+
     results = [evaluate_gate(g.name, history, g.params, context=context,
-                             reference=references.get(g.relative_to) if g.relative_to else None)
+                             reference=references.get(g.relative_to) if g.relative_to else None,
+                             evals=evals, reference_eval=reference_eval(g.relative_to))
                for g in gates]
     passed = all(r.passed for r in results)
     used = {g.relative_to for g in gates if g.relative_to}
@@ -310,7 +319,8 @@ def _choose(stage: Stage, outcomes: list[CandidateOutcome]
 
     passing = [o for o in outcomes if o.passed]
     choice = choose(stage.promotion,
-                    [Contender(o.candidate, o.eval_reward, o.eval_n) for o in passing])
+                    [Contender(o.candidate, o.eval_reward, o.eval_n, o.eval_outcome)
+                     for o in passing])
     return (None if choice.index is None else passing[choice.index]), choice.reason
 
 

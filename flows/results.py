@@ -6,7 +6,10 @@ persists ``run_candidate``'s result with pickle); ``GateReport.to_file`` is the
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from training.evals import EVAL_FILE, EvalOutcome, read_evals
 
 if TYPE_CHECKING:
     from registry.gates import GateResult
@@ -101,6 +104,20 @@ class CandidateOutcome:
         evals = [float(v) for o in self.all_seeds
                  if (v := o.run.summary.get("eval/reward_mean")) is not None]
         return sum(evals) / len(evals) if evals else None
+
+    @property
+    def eval_outcome(self) -> EvalOutcome | None:
+        """The last eval's per-prompt rewards of every seed, pooled in seed order (the prompts'
+        fingerprint joined likewise, so two candidates pair only seed j with seed j on the same
+        prompts); None when some seed's run wrote no ``eval.jsonl``."""
+        last = []
+        for o in self.all_seeds:
+            outcomes = read_evals(Path(o.run.run_dir) / EVAL_FILE)
+            if not outcomes:
+                return None
+            last.append(outcomes[-1])
+        return EvalOutcome(last[0].step, False, "+".join(x.prompts for x in last),
+                           tuple(r for x in last for r in x.rewards))
 
     @property
     def eval_n(self) -> float | None:

@@ -4,7 +4,9 @@
 start from that same first passing candidate — the seed's order, simplest first — and move to a
 later passing one only when its eval is higher *beyond noise*: the difference of the two
 accuracies exceeds z × SE, SE the binomial standard error of two evals on ``eval/n`` prompts
-(:mod:`registry.gates.stats`), z = z_{1−α/k} over the k later candidates compared (Bonferroni).
+(:mod:`registry.gates.stats`) — or the paired SE on the prompts both evaluated, where their
+per-prompt rewards are known (:mod:`training.evals`) — z = z_{1−α/k} over the k later
+candidates compared (Bonferroni).
 A better eval inside the noise keeps the earlier candidate, and the reason says "not
 distinguishable from X (difference, SE)". Without ``eval/n`` the noise is unknown and the higher
 eval wins, said so.
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from registry.gates.stats import diff_se, proportion_se, z_limit
+from training.evals import EvalOutcome, paired_diff
 
 ALPHA = 0.05
 
@@ -27,6 +30,7 @@ class Contender:
     name: str
     eval_reward: float | None
     eval_n: float | None
+    eval_outcome: EvalOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,18 @@ def choose(rule: str, passing: Sequence[Contender], alpha: float = ALPHA) -> Cho
                 best = i
             notes.append(f"{b.name} vs {a.name}: {d:+.3f} (no eval/n: noise unknown)")
             continue
-        se = diff_se(proportion_se(a.eval_reward, a.eval_n), proportion_se(b.eval_reward, b.eval_n))
+        pair = paired_diff(a.eval_outcome, b.eval_outcome)
+        se = pair.se if pair is not None else diff_se(proportion_se(a.eval_reward, a.eval_n),
+                                                      proportion_se(b.eval_reward, b.eval_n))
+        how = f", paired on {pair.n} prompts" if pair is not None else ""
         if d > z * se:
             best = i
             notes.append(f"{b.name} better than {a.name} beyond noise ({d:+.3f} = "
-                         f"{d / se:.2f} SE > {z:.2f})")
+                         f"{d / se:.2f} SE > {z:.2f}{how})" if se > 0 else
+                         f"{b.name} better than {a.name} on every prompt ({d:+.3f}{how})")
         else:
             notes.append(f"{b.name} not distinguishable from {a.name} ({d:+.3f}, SE {se:.3f}: "
-                         f"{d / se:.2f} SE ≤ {z:.2f})" if se > 0 else
-                         f"{b.name} not distinguishable from {a.name} ({d:+.3f})")
+                         f"{d / se:.2f} SE ≤ {z:.2f}{how})" if se > 0 else
+                         f"{b.name} not distinguishable from {a.name} ({d:+.3f}{how})")
     return Choice(best, f"best eval beyond noise (α {alpha:g} over {len(passing) - 1} "
                         "comparisons): " + "; ".join(notes))

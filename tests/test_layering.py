@@ -23,6 +23,7 @@ FORBIDDEN = {
 }
 # registry reads these parts of training only: schemas and small torch-free helpers
 REGISTRY_MAY_USE = {"training.recipe", "training.yamlfile", "training.paths", "training.ownership",
+                    "training.evals",
                     "training.fileio", "training.algorithms.decision_tree",
                     "training.algorithms.registry"}
 

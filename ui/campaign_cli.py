@@ -640,6 +640,14 @@ def _history(run: Path) -> list[dict[str, Any]]:
     return []
 
 
+def _evals(run: Path) -> list[Any]:
+    """The per-prompt eval outcomes beside a run's metrics (``eval.jsonl``; [] if none), for
+    paired eval comparisons."""
+    from training.evals import EVAL_FILE, read_evals
+
+    return read_evals((run if run.is_dir() else run.parent) / EVAL_FILE)
+
+
 def _recorded_judgement(run: Path) -> tuple[dict[str, Any] | None, str]:
     """What a campaign judged ``run`` with (``judged_with`` of its gate_report.json), and a
     phrase naming it; ``(None, why)`` when the run has none."""
@@ -707,6 +715,7 @@ def gates_cmd(
     ref_summary = summarize(_history(reference)) if reference is not None else None
     context: dict[str, Any] = {}
     references: dict[str, Any] = {}
+    judged: dict[str, Any] | None = None
     if campaign is not None or stage is not None:
         if campaign is None:
             fail("--stage needs --campaign FILE")
@@ -741,9 +750,18 @@ def gates_cmd(
             return ref_summary
         return references.get(g["relative_to"]) if g.get("relative_to") else None
 
+    evals = _evals(run)
+    ref_dirs = ((judged or {}).get("reference_runs") or {}) if reference is None else {}
+
+    def ref_eval(g: dict[str, Any]) -> Any:
+        where = reference if reference is not None else ref_dirs.get(g.get("relative_to") or "")
+        outcomes = _evals(Path(where)) if where else []
+        return outcomes[-1] if outcomes else None
+
     try:
         results = [evaluate_gate(g["name"], history, g.get("params") or {},
-                                 reference=ref_for(g), context=context).to_dict()
+                                 reference=ref_for(g), context=context, evals=evals,
+                                 reference_eval=ref_eval(g)).to_dict()
                    for g in specs]
     except (KeyError, ValueError) as e:
         fail(str(e.args[0]) if e.args else str(e))

@@ -30,6 +30,7 @@ from training.algorithms.decision_tree import (
     diagnose,
 )
 from training.algorithms.registry import Registry
+from training.evals import EvalOutcome
 
 if TYPE_CHECKING:
     from training.recipe import Recipe
@@ -238,9 +239,16 @@ def number(v: Any) -> float | None:
 
 
 class Run:
-    """A metric history split into training rows (by step, later row wins) and all rows."""
+    """A metric history split into training rows (by step, later row wins) and all rows; and,
+    where the run wrote ``eval.jsonl``, each eval's per-prompt rewards (``evals``, by step, a
+    later record wins its step as in the history) and the reference run's last eval
+    (``reference_eval``) for paired eval comparisons (:mod:`training.evals`)."""
 
-    def __init__(self, history: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, history: Sequence[Mapping[str, Any]], *,
+                 evals: Sequence[EvalOutcome] = (),
+                 reference_eval: EvalOutcome | None = None) -> None:
+        self.evals: dict[int, EvalOutcome] = {o.step: o for o in evals}
+        self.reference_eval = reference_eval
         self.rows: list[tuple[int, Mapping[str, Any]]] = []
         train: dict[int, Mapping[str, Any]] = {}
         for row in history:
@@ -483,7 +491,9 @@ def check_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
 def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
                   params: Mapping[str, Any] | None = None, *,
                   reference: Mapping[str, float] | None = None,
-                  context: GateContext | Mapping[str, Any] | None = None) -> GateResult:
+                  context: GateContext | Mapping[str, Any] | None = None,
+                  evals: Sequence[EvalOutcome] = (),
+                  reference_eval: EvalOutcome | None = None) -> GateResult:
     """Run one gate on a metric history (records as ``read_metrics`` returns them).
 
     Args:
@@ -493,19 +503,24 @@ def evaluate_gate(name: str, history: Sequence[Mapping[str, Any]],
         reference: :func:`summarize` of the reference run, or None for absolute thresholds.
         context: run facts the metrics lack (:class:`GateContext`, or its plain data, e.g.
             ``{"max_staleness": 1}``).
+        evals: the run's per-prompt eval outcomes (``read_evals(run_dir / "eval.jsonl")``);
+            with them the eval gates compare on the same prompts (paired SE).
+        reference_eval: the reference run's last eval outcome, for a paired comparison with it.
     """
-    return evaluate(name, Run(history), validated(name, params), reference, context)
+    return evaluate(name, Run(history, evals=evals, reference_eval=reference_eval),
+                    validated(name, params), reference, context)
 
 
 def evaluate_gates(specs: Sequence[tuple[str, Mapping[str, Any]]],
                    history: Sequence[Mapping[str, Any]], *,
                    reference: Mapping[str, float] | None = None,
-                   context: GateContext | Mapping[str, Any] | None = None
-                   ) -> list[GateResult]:
+                   context: GateContext | Mapping[str, Any] | None = None,
+                   evals: Sequence[EvalOutcome] = (),
+                   reference_eval: EvalOutcome | None = None) -> list[GateResult]:
     """Run several ``(name, params)`` gates on one history; every spec is validated before any
     gate runs, so a typo fails the whole call instead of a half-written report."""
     checked = [(name, validated(name, params)) for name, params in specs]
-    run = Run(history)
+    run = Run(history, evals=evals, reference_eval=reference_eval)
     return [evaluate(name, run, p, reference, context) for name, p in checked]
 
 

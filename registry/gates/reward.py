@@ -3,8 +3,10 @@
 Each limit is the larger of the seed's effect size and a noise floor (:mod:`registry.gates.stats`):
 a reward fall against the standard error of two window means, Bonferroni-corrected for the
 windows a peak could have been picked from; an eval difference against the binomial standard
-error of two accuracies on ``eval/n`` prompts, corrected for the candidates a stage judges
-together (``context.candidates``).
+error of two accuracies on ``eval/n`` prompts — or, where both evals' per-prompt rewards are
+known on the same prompts (``eval.jsonl``), the paired SE sd(d)/√n of the per-prompt
+differences (:mod:`training.evals`), which counts only the prompts that changed — corrected for
+the candidates a stage judges together (``context.candidates``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from registry.gates.core import (
     tail_points,
 )
 from registry.gates.stats import diff_se, proportion_se, step_sd, z_limit
+from training.evals import PairedDiff, paired_diff
 
 _ALPHA = Field(0.05, gt=0.0, lt=0.5, description=(
     "One-sided significance level of the noise floor, before the Bonferroni correction."))
@@ -124,9 +127,15 @@ def _eval_limit(effect: float, alpha: float, candidates: int, se: float | None
                                 f"{z:.2f} SE = {fmt(noise)}; α {fmt(alpha)}{per}; {binds} binds)")
 
 
-def _fall_text(a: float, b: float, na: float | None, nb: float | None, what: str) -> tuple[
-        float | None, str]:
-    """SE of a − b for two accuracies, and 'a vs b on n prompts: d = z SE'."""
+def _fall_text(a: float, b: float, na: float | None, nb: float | None, what: str,
+               pair: PairedDiff | None = None) -> tuple[float | None, str]:
+    """SE of a − b for two accuracies, and 'a vs b on n prompts: d = z SE' — the paired SE
+    when both evals' per-prompt rewards are known on the same prompts, else the binomial one."""
+    if pair is not None:
+        se = pair.se
+        z = (a - b) / se if se > 0 else math.inf if a > b else 0.0
+        return se, (f"{what} {fmt(a)} → {fmt(b)} on the same {pair.n} prompts (paired, "
+                    f"{pair.discordant} differ): fall {fmt(a - b)} = {z:.2f} SE")
     if na is None or nb is None:
         return None, f"{what} {fmt(a)} → {fmt(b)}: fall {fmt(a - b)}"
     se = diff_se(proportion_se(a, na), proportion_se(b, nb))
@@ -194,7 +203,8 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
         k = min(p.smooth, max(1, len(rw) // 2))
         r_first, r_last = mean_of(rw[:k]), mean_of(rw[-k:])
         rise = r_last - r_first
-        se, fall_txt = _fall_text(e_first, e_last, n0, n1, "eval")
+        se, fall_txt = _fall_text(e_first, e_last, n0, n1, "eval",
+                                  paired_diff(run.evals.get(s0), run.evals.get(s1)))
         limit, limit_txt = _eval_limit(p.max_eval_drop, p.alpha, context.candidates, se)
         value = e_first - e_last
         diverged = rise > p.min_rise and value > limit
@@ -205,7 +215,8 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
                        f"{'>' if value > limit else '≤'} {limit_txt}")
     if ref is not None:
         ref_n = ref_value(reference, EVAL_N)
-        se, fall_txt = _fall_text(ref, e_last, ref_n, n1, "reference eval vs this run's last")
+        se, fall_txt = _fall_text(ref, e_last, ref_n, n1, "reference eval vs this run's last",
+                                  paired_diff(run.reference_eval, run.evals.get(s1)))
         ref_limit, limit_txt = _eval_limit(p.max_eval_drop, p.alpha, context.candidates, se)
         below_ref = ref - e_last > ref_limit
         clauses.append(f"{fall_txt} {'>' if below_ref else '≤'} {limit_txt}")
@@ -227,7 +238,8 @@ def _eval_not_degraded(run: Run, p: EvalNotDegradedParams,
         return not_enough(name, p, len(ev), EVAL_REWARD, 2)
     (s0, first), (s1, last) = ev[0], ev[-1]
     se, fall_txt = _fall_text(first, last, _eval_n(run, s0), _eval_n(run, s1),
-                              f"eval (steps {s0} → {s1})")
+                              f"eval (steps {s0} → {s1})",
+                              paired_diff(run.evals.get(s0), run.evals.get(s1)))
     limit, limit_txt = _eval_limit(p.max_drop, p.alpha, context.candidates, se)
     degraded = first - last > limit
     evidence = (f"{'eval degraded' if degraded else 'eval held'}: {fall_txt} "

@@ -63,6 +63,7 @@ from training.engines.rollout import (
     RolloutEngineError,
     SamplingParams,
 )
+from training.evals import EvalResult, fingerprint
 from training.recipe import Recipe
 from training.runtime.interrupt_old import HeldPolicy
 from training.runtime.pipeline import Dispatcher, StalenessController
@@ -696,9 +697,10 @@ class Rollouter:
         self._poke()
 
     # --- eval ---------------------------------------------------------------------------------
-    async def evaluate(self, n: int) -> dict[str, float]:
+    async def evaluate(self, n: int) -> EvalResult:
         """Greedy generation on ``n`` held-out prompts (spread over the difficulties) with the
-        engines' current weights; reward per difficulty bucket under ``eval/*``."""
+        engines' current weights; reward per difficulty bucket under ``eval/*``, and each
+        prompt's reward for paired comparisons (:mod:`training.evals`)."""
         assert self.client is not None
         examples = self.task.examples("eval", n)
         r = self.recipe.rollout
@@ -733,8 +735,10 @@ class Rollouter:
 
         rows = await asyncio.gather(*(one(ex) for ex in examples))
         out: dict[str, float] = {}
+        result = EvalResult(out, fingerprint([ex.prompt for ex in examples]),
+                            tuple(float(x[1]) for x in rows))
         if not rows:
-            return out
+            return result
         out["eval/reward_mean"] = sum(x[1] for x in rows) / len(rows)
         out["eval/response_length_mean"] = sum(x[2] for x in rows) / len(rows)
         out["eval/truncation_rate"] = sum(x[3] for x in rows) / len(rows)
@@ -746,7 +750,7 @@ class Rollouter:
                 buckets.setdefault(ex.difficulty, []).append(rew)
         for d, vals in sorted(buckets.items()):
             out[f"eval/reward/d{d}"] = sum(vals) / len(vals)
-        return out
+        return result
 
     # --- state and stats ----------------------------------------------------------------------
     async def stats(self) -> dict[str, float]:

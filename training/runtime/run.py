@@ -19,7 +19,8 @@ staleness_threshold, seed 004's max-ahead η, fifo or windowed-FIFO drain, optio
 
 Staleness of a sample = trainer step now − the step whose weights produced its oldest token.
 
-Run directory: ``recipe.yaml``, ``metrics.jsonl``, ``checkpoint/`` (``trainer/`` exact trainer
+Run directory: ``recipe.yaml``, ``metrics.jsonl``, ``eval.jsonl`` (each eval's per-prompt
+rewards, :mod:`training.evals`), ``checkpoint/`` (``trainer/`` exact trainer
 state, ``hf/`` the weights the engines serve, ``runtime.json`` counters and pipeline state,
 ``buffer.jsonl`` completed groups not yet trained on), ``weights/`` (sync exports),
 ``final/hf`` (HF checkpoint of the last weights), ``summary.json``.
@@ -28,7 +29,7 @@ Resume (``resume=RUN_DIR``): the trainer restarts exactly from ``checkpoint/trai
 start from ``checkpoint/hf``; groups that were buffered are restored from ``buffer.jsonl``; groups
 that were still being generated are regenerated (same prompts, same group ids); nothing is trained
 on twice, nothing is silently lost. Metrics of steps after the checkpoint are cut from
-``metrics.jsonl`` and recomputed.
+``metrics.jsonl`` and ``eval.jsonl`` and recomputed.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from training.engines.hf_io import CheckpointError, move_into_place, read_meta
+from training.evals import EVAL_FILE, EvalOutcome, EvalResult, append_eval
 from training.fileio import atomic_write_text, recover_dir
 from training.ownership import OwnedError, RunDirLock
 from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_hash
@@ -321,6 +323,7 @@ class Runtime:
         metrics_path = self.run_dir / "metrics.jsonl"
         if resume_state is not None:
             _truncate_metrics(metrics_path, self.step)
+            _truncate_metrics(self.run_dir / EVAL_FILE, self.step)
         sink = MultiSink([JsonlSink(metrics_path, append=resume_state is not None),
                           *self.extra_sinks])
         interrupted = False
@@ -334,7 +337,7 @@ class Runtime:
             if not self.step_start_versions:
                 self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
             if resume_state is None and self.recipe.eval.n > 0:
-                m = self._evaluate(ray)
+                m = self._evaluate(ray, 0, eval_only=True)
                 sink.log(0, {**m, "step/eval_only": 1.0})
             t_start = time.monotonic() - self.counters["wall_time_s"]
             while self.step < self.total_steps:
@@ -519,7 +522,7 @@ class Runtime:
         every = self.recipe.eval.every
         last = self.step + 1 == self.total_steps
         if self.recipe.eval.n > 0 and ((every and (self.step + 1) % every == 0) or last):
-            metrics.update(self._evaluate(ray))
+            metrics.update(self._evaluate(ray, self.step))
         metrics.update(ray.get(self.rollouter.stats.remote()))
         metrics.update(ray.get(self.buffer.stats.remote()))
         step_time = time.monotonic() - t0
@@ -540,12 +543,17 @@ class Runtime:
         self.counters["sync_wait_s"] += report.wait_s
         return report.metrics
 
-    def _evaluate(self, ray: Any) -> dict[str, float]:
+    def _evaluate(self, ray: Any, step: int, eval_only: bool = False) -> dict[str, float]:
+        """Greedy eval: its ``eval/*`` metrics, logged at ``step`` by the caller, and each
+        prompt's reward appended to ``eval.jsonl`` (:mod:`training.evals`; paired gates)."""
         t0 = time.monotonic()
-        m = ray.get(self.rollouter.evaluate.remote(self.recipe.eval.n))
+        res: EvalResult = ray.get(self.rollouter.evaluate.remote(self.recipe.eval.n))
         self.counters["eval_time_s"] += time.monotonic() - t0
-        self.last_eval = m
-        return m
+        if res.rewards:
+            append_eval(self.run_dir / EVAL_FILE,
+                        EvalOutcome(step, eval_only, res.prompts, res.rewards))
+        self.last_eval = res.metrics
+        return res.metrics
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _checkpoint(self, ray: Any) -> None:

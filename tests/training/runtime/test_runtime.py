@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from training.engines.hf_io import load_hf_dir, read_meta
+from training.evals import EVAL_FILE, read_evals
 from training.recipe import recipe_from_dict
 from training.runtime.run import RunError, Runtime, run_recipe, split_stale
 from training.runtime.sinks import read_metrics
@@ -65,6 +66,14 @@ def test_sync_mode_is_on_policy(ray_session, tmp_path):
     assert read_meta(res.final_hf)["weight_version"] == 3
     load_hf_dir(res.final_hf)
     assert "eval/reward_mean" in rows[-1]
+    # each eval's per-prompt rewards beside the metrics (paired gates): the starting checkpoint's
+    # and the last step's, on the same 8 prompts, each averaging to the logged eval/reward_mean
+    evals = read_evals(res.run_dir / EVAL_FILE)
+    assert [(o.step, o.eval_only, o.n) for o in evals] == [(0, True, 8), (2, False, 8)]
+    assert evals[0].prompts == evals[1].prompts
+    logged = {(r["step"], bool(r.get("step/eval_only"))): r["eval/reward_mean"]
+              for r in read_metrics(res.run_dir / "metrics.jsonl") if "eval/reward_mean" in r}
+    assert {(o.step, o.eval_only): o.mean for o in evals} == pytest.approx(logged)
     assert json.loads((res.run_dir / "summary.json").read_text())["steps"] == 3
 
 
@@ -211,6 +220,12 @@ def test_resume_continues_without_double_counting(ray_session, tmp_path):
     check_counts(rows)
     assert all(r["async/staleness/max"] <= 1 for r in rows)
     assert read_meta(second.final_hf)["weight_version"] == 4
+    # eval.jsonl follows metrics.jsonl through the resume: the start's eval, the first
+    # invocation's last step's (kept: before the checkpoint), the last step's; none twice
+    evals = [(o.step, o.eval_only) for o in read_evals(run_dir / EVAL_FILE)]
+    assert evals == [(0, True), (1, False), (3, False)]
+    assert evals == [(r["step"], bool(r.get("step/eval_only")))
+                     for r in read_metrics(run_dir / "metrics.jsonl") if "eval/reward_mean" in r]
 
 
 def test_resume_refuses_another_recipe(ray_session, tmp_path):
