@@ -508,11 +508,12 @@ class _Flow:
 
         worst = outcomes[-1]
         # the last candidate's own recipe tailors the prescribed override to it
-        diag = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
+        diagnosis = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
+        diag = diagnosis.to_dict()  # the JSON edge: the registry record and verdict.json
         failed = "; ".join(f"{o.candidate}: " + ", ".join(o.failed_gates)
                            for o in outcomes)
         verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
-                   f"diagnosis: {diag.get('summary', '')}")
+                   f"diagnosis: {diagnosis.summary}")
         self.db.upsert_stage(self.campaign_id, stage.name, index, "failed")
         self.db.set_campaign_status(self.campaign_id, "stopped", verdict=verdict,
                                     diagnosis=diag)

@@ -809,30 +809,28 @@ def diagnose_cmd(
     history = _history(run)
     recipe, why = _run_recipe(run)
     diag = diagnosis_for(history, recipe)
-    diag["recipe"] = "recipe.yaml" if recipe is not None else None
     if as_json:
-        typer.echo(json.dumps(diag, indent=2, default=str))
+        out = {**diag.to_dict(), "recipe": "recipe.yaml" if recipe is not None else None}
+        typer.echo(json.dumps(out, indent=2, default=str))
         return
-    typer.echo(diag.get("summary", ""))
+    typer.echo(diag.summary)
     if recipe is None:
         typer.echo(f"(overrides not tailored to the run's recipe: {why})")
-    blocks = list(diag.get("findings", []))
-    if diag.get("unseparated"):
-        blocks.append(diag["unseparated"])
+    blocks = [*diag.findings, *([diag.unseparated] if diag.unseparated else [])]
     for f in blocks:
-        head = f"cause {f['cause']}" if f["cause"] != "unseparated" else "unseparated"
-        typer.echo(f"{head}: {f['title']}")
-        for e in f["evidence"]:
+        head = f"cause {f.cause}" if f.cause != "unseparated" else "unseparated"
+        typer.echo(f"{head}: {f.title}")
+        for e in f.evidence:
             typer.echo(f"  evidence: {e}")
-        typer.echo(f"  fix: {f['fix']}")
+        typer.echo(f"  fix: {f.fix}")
         typer.echo("  prescribed override (paste into a campaign candidate):")
-        for line in _override_yaml(f["override"]).splitlines():
+        for line in _override_yaml(f.override).splitlines():
             typer.echo(f"    {line}")
-        if f.get("override_error"):
+        if f.override_error:
             typer.echo(f"  warning: on this run's recipe the override does not load: "
-                       f"{f['override_error']}")
-    if diag.get("escalation_text"):
-        typer.echo(f"escalation: {diag['escalation_text']}")
+                       f"{f.override_error}")
+    if diag.escalation_text:
+        typer.echo(f"escalation: {diag.escalation_text}")
 
 
 def schema_campaign(out: Path | None = typer.Option(None, "--out", help="Write to FILE.")) -> None:

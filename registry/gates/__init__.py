@@ -61,7 +61,14 @@ from registry.gates.core import (
     gate_params,
     params_model,
 )
-from registry.gates.diagnosis import diagnosis_for, summarize, unmet_requirement
+from registry.gates.diagnosis import (
+    Prescribed,
+    RunDiagnosis,
+    SkippedGate,
+    diagnosis_for,
+    summarize,
+    unmet_requirement,
+)
 from registry.gates.mismatch import (
     EngineMismatchFlatParams,
     IsHealthParams,
@@ -100,9 +107,12 @@ __all__ = [
     "LogprobDiffFlatParams",
     "NoLengthSurgeParams",
     "PgClipfracParams",
+    "Prescribed",
     "RepetitionRateParams",
     "RewardNotCollapsedParams",
     "RolloutLogprobNotDecreasingParams",
+    "RunDiagnosis",
+    "SkippedGate",
     "StalenessWithinBoundParams",
     "ZeroVarianceGroupsParams",
     "check_params",

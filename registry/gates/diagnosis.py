@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from registry.gates.core import (
     ENGINE_DIFF,
     LOGPROB_DIFF,
+    GateResult,
     Run,
     check_params,
     diagnose_run,
@@ -115,9 +118,94 @@ def _attribute_logprob_failure(run: Run, d: Diagnosis) -> str:
     return "A" if en_level >= 0.5 * tr_level else "B"
 
 
+@dataclass
+class Prescribed:
+    """One decision-tree cause found on a run, with its fix as a recipe override.
+
+    cause: "A"–"F", or "unseparated" (a drift whose source the run's old_logprob strategy
+        cannot split). title, fix: seed 001's words. evidence: the metric comparisons (and a
+        failing ``logprob_diff_flat``'s evidence, joined to the cause it belongs to).
+    override: the fix as dotted recipe keys → values (:func:`prescription`), tailored to the
+        run's recipe when known; override_error: why it does not load on that recipe (None if
+        it does, or with no recipe).
+    info: information only (seed 001's "ESS ≥ 0.5 and reward stable → continue").
+    engine_exact: for "unseparated", the run's ``mismatch/engine/exact`` (None otherwise).
+    """
+
+    cause: str
+    title: str
+    evidence: list[str]
+    fix: str
+    override: dict[str, Any]
+    override_error: str | None = None
+    info: bool = False
+    engine_exact: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.cause != "unseparated":
+            out.pop("engine_exact")
+        return out
+
+
+@dataclass(frozen=True)
+class SkippedGate:
+    """A gate the diagnosis does not run without a reference, and why."""
+
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class RunDiagnosis:
+    """Seed 001's decision tree on one run (:func:`diagnosis_for`), typed up to the JSON edge
+    (:meth:`to_dict`: the campaign record, ``verdict.json``, ``asyncrl diagnose --json``).
+
+    causes: the causes found, in order ("A"…); findings: one :class:`Prescribed` each; notes:
+    information-only findings; unseparated: a drift the strategy cannot attribute (or None);
+    engine_exact: ``mismatch/engine/exact`` (None if not logged); healthy: no cause, nothing
+    unseparated, and the tree saw nothing wrong; escalation / escalation_text: seed 001's rung
+    (None if none); missing: metrics the tree wanted and the run lacks; window: first and last
+    training step; failed_gates: gates at their defaults that fail; skipped_gates: gates left
+    out without a reference; summary: one paragraph for a verdict.
+    """
+
+    causes: list[str]
+    findings: list[Prescribed]
+    notes: list[Prescribed]
+    unseparated: Prescribed | None
+    engine_exact: float | None
+    healthy: bool
+    escalation: str | None
+    escalation_text: str | None
+    missing: list[str]
+    window: tuple[int, int] | None
+    failed_gates: list[GateResult]
+    skipped_gates: list[SkippedGate]
+    summary: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, the layout stored in the registry's campaign record."""
+        return {
+            "causes": list(self.causes),
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": [f.to_dict() for f in self.notes],
+            "unseparated": self.unseparated.to_dict() if self.unseparated else None,
+            "engine_exact": self.engine_exact,
+            "healthy": self.healthy,
+            "escalation": self.escalation,
+            "escalation_text": self.escalation_text,
+            "missing": list(self.missing),
+            "window": list(self.window) if self.window is not None else None,
+            "failed_gates": [r.to_dict() for r in self.failed_gates],
+            "skipped_gates": [dataclasses.asdict(g) for g in self.skipped_gates],
+            "summary": self.summary,
+        }
+
+
 def diagnosis_for(history: Sequence[Mapping[str, Any]],
-                  recipe: Recipe | None = None) -> dict[str, Any]:
-    """Seed 001's A–F decision tree on a run, as a JSON-ready dict (for a stage nobody passed).
+                  recipe: Recipe | None = None) -> RunDiagnosis:
+    """Seed 001's A–F decision tree on a run (for a stage nobody passed, ``asyncrl diagnose``).
 
     ``training.algorithms.decision_tree.diagnose`` gets the means of the last 25 % of points of
     every metric and the per-step series of response length, PPO clip fraction, proxy-3 noise
@@ -125,33 +213,26 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     ``mismatch/engine/exact`` is 1, B from ``is/staleness/*`` and from a train–rollout rise the
     exact engine gap does not share. When ``logprob_diff_flat`` fails, its evidence joins the
     cause its source belongs to (see :func:`_attribute_logprob_failure`); a failure whose source
-    cannot be separated under the run's old_logprob strategy is reported under
-    ``unseparated`` with the prescription to rerun under ``snapshot`` — never forced into A.
+    cannot be separated under the run's old_logprob strategy is reported as ``unseparated``
+    with the prescription to rerun under ``snapshot`` — never forced into A.
 
-    Every finding carries ``override``: its fix as a recipe override (dotted keys → values,
+    Every finding carries its fix as a recipe override (dotted keys → values,
     :func:`training.algorithms.decision_tree.prescription`), tailored to ``recipe`` (MoE or
     dense, its LR) when given; with a recipe the override is applied and validated, and
     ``override_error`` says why it does not load (None when it does). Every gate runs at its
     defaults with no reference, except those whose default is only meaningful against one
-    (``zero_variance_groups``), listed under ``skipped_gates`` with the reason and named in
-    the summary; the gates that fail are listed under ``failed_gates``.
-
-    Returns:
-        ``{"causes", "findings": [{"cause", "title", "evidence", "fix", "override",
-        "override_error"}], "unseparated": {...} | None, "engine_exact", "healthy",
-        "escalation", "escalation_text", "missing", "window", "failed_gates",
-        "skipped_gates": [{"name", "why"}], "summary"}``.
+    (``zero_variance_groups``), listed in ``skipped_gates`` with the reason and named in the
+    summary; the gates that fail are in ``failed_gates``.
     """
     run = Run(history)
     d = diagnose_run(run)
     facts = _recipe_facts(recipe)
 
     def finding(cause: str, title: str, evidence: list[str], fix: str,
-                info: bool = False) -> dict[str, Any]:
+                info: bool = False) -> Prescribed:
         override = prescription(cause, **facts)
-        return {"cause": cause, "title": title, "evidence": evidence, "fix": fix,
-                "override": override, "override_error": _check_override(recipe, override),
-                "info": info}
+        return Prescribed(cause, title, evidence, fix, override,
+                          _check_override(recipe, override), info)
 
     notes = [finding(f.cause, f.title, [str(e) for e in f.evidence], f.fix, info=True)
              for f in d.findings if f.info]
@@ -164,29 +245,28 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
         if source == "unseparated":
             unseparated_ev.append(lp.evidence)
         else:
-            found = next((f for f in findings if f["cause"] == source), None)
+            found = next((f for f in findings if f.cause == source), None)
             if found is not None:
-                found["evidence"].append(lp.evidence)
+                found.evidence.append(lp.evidence)
             else:
                 title, fix = FIXES[source]
                 findings.append(finding(source, title, [lp.evidence], fix))
-                findings.sort(key=lambda f: f["cause"])
+                findings.sort(key=lambda f: f.cause)
     unseparated = None
     if unseparated_ev:
         unseparated = finding("unseparated", UNSEPARATED[0], unseparated_ev, UNSEPARATED[1])
-        unseparated["engine_exact"] = d.engine_exact
+        unseparated.engine_exact = d.engine_exact
     judged = [n for n in gate_names() if n not in _NEEDS_REFERENCE]
-    skipped = [{"name": n, "why": why} for n, why in _NEEDS_REFERENCE.items()]
+    skipped = [SkippedGate(n, why) for n, why in _NEEDS_REFERENCE.items()]
     failed = [r for r in (evaluate(n, run, params_model(n)(), None, None) for n in judged)
               if not r.passed]
-    causes = [f["cause"] for f in findings]
+    causes = [f.cause for f in findings]
     parts = []
     if causes:
         parts.append("the metrics point to cause(s) " + ", ".join(causes) + " of seed 001's "
-                     "decision tree: " + "; ".join(f"{f['cause']} = {f['title']}"
-                                                   for f in findings))
+                     "decision tree: " + "; ".join(f"{f.cause} = {f.title}" for f in findings))
     for n in notes:
-        parts.append(f"cause {n['cause']} ({n['title']}) is information only: seed 001's "
+        parts.append(f"cause {n.cause} ({n.title}) is information only: seed 001's "
                      "'ESS ≥ 0.5 and reward stable → continue' holds")
     if unseparated is not None:
         parts.append("the train–rollout drift cannot be split into engine mismatch and staleness "
@@ -199,23 +279,16 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
                    + ", ".join(r.name for r in failed) + ".")
     else:
         summary = "no decision-tree cause matched and every default gate passes."
-    summary += (" Not judged without a reference: " + ", ".join(g["name"] for g in skipped)
+    summary += (" Not judged without a reference: " + ", ".join(g.name for g in skipped)
                 + " (give it relative_to a baseline in a campaign).")
-    return {
-        "causes": causes,
-        "findings": findings,
-        "notes": notes,
-        "unseparated": unseparated,
-        "engine_exact": d.engine_exact,
-        "healthy": d.healthy and not causes and unseparated is None,
-        "escalation": d.escalation,
-        "escalation_text": _ESCALATION_TEXT.get(d.escalation or ""),
-        "missing": list(d.missing),
-        "window": [run.train[0][0], run.train[-1][0]] if run.train else None,
-        "failed_gates": [r.to_dict() for r in failed],
-        "skipped_gates": skipped,
-        "summary": summary,
-    }
+    return RunDiagnosis(
+        causes=causes, findings=findings, notes=notes, unseparated=unseparated,
+        engine_exact=d.engine_exact,
+        healthy=d.healthy and not causes and unseparated is None,
+        escalation=d.escalation, escalation_text=_ESCALATION_TEXT.get(d.escalation or ""),
+        missing=list(d.missing),
+        window=(run.train[0][0], run.train[-1][0]) if run.train else None,
+        failed_gates=failed, skipped_gates=skipped, summary=summary)
 
 
 # --------------------------------------------------------------------------------------------

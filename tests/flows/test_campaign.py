@@ -132,8 +132,8 @@ def test_every_gate_and_the_diagnosis_run_on_the_real_metrics(campaign_run):
         assert by_name["staleness_within_bound"].passed
         assert by_name["staleness_within_bound"].value in (0.0, 1.0)
         diagnosis = diagnosis_for(history)
-        assert isinstance(diagnosis["causes"], list)
-        json.dumps(diagnosis)
+        assert isinstance(diagnosis.causes, list)
+        json.dumps(diagnosis.to_dict())
 
 
 def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):

@@ -732,17 +732,17 @@ def test_diagnosis_for_a_rise_shared_by_the_exact_engine_gap_names_cause_a():
     rise = [0.02 + 0.005 * i for i in range(20)]
     rows = hist({LP: rise, ED: rise, EXACT: [1.0] * 20, RW: [0.5] * 20})
     d = diagnosis_for(rows)
-    assert json.loads(json.dumps(d)) == d
-    assert d["causes"] == ["A"] and d["unseparated"] is None
-    finding = d["findings"][0]
+    assert json.loads(json.dumps(d.to_dict())) == d.to_dict()
+    assert d.causes == ["A"] and d.unseparated is None
+    finding = d.findings[0]
     # quarters of 20 points are 5: (0.02 + 0.005·17) / (0.02 + 0.005·2) = 0.105 / 0.03 = 3.5
-    assert f"{LP} last/first quarter = 3.5 > 1.5" in finding["evidence"]
-    assert any("train–rollout mean |Δlogp| is growing" in e for e in finding["evidence"])
-    assert "FP16" in finding["fix"] and finding["override"] == {"algorithm.old_logprob":
+    assert f"{LP} last/first quarter = 3.5 > 1.5" in finding.evidence
+    assert any("train–rollout mean |Δlogp| is growing" in e for e in finding.evidence)
+    assert "FP16" in finding.fix and finding.override == {"algorithm.old_logprob":
                                                                 "snapshot"}
-    assert not d["healthy"]
-    assert "logprob_diff_flat" in [g["name"] for g in d["failed_gates"]]
-    assert d["window"] == [0, 19]
+    assert not d.healthy
+    assert "logprob_diff_flat" in [g.name for g in d.failed_gates]
+    assert d.window == (0, 19)
 
 
 def test_diagnosis_for_a_staleness_driven_rise_names_b_not_a():
@@ -750,13 +750,13 @@ def test_diagnosis_for_a_staleness_driven_rise_names_b_not_a():
     rows = hist({LP: [0.006 + 0.002 * i for i in range(20)], ED: [0.006] * 20,
                  EXACT: [1.0] * 20, "is/staleness/kl_k1": [0.03] * 20, RW: [0.5] * 20})
     d = diagnosis_for(rows)
-    assert d["causes"] == ["B"]
-    ev = d["findings"][0]["evidence"]
+    assert d.causes == ["B"]
+    ev = d.findings[0].evidence
     # a flat staleness KL is one update's size, not growth: not evidence of B by itself
     assert not any(e.startswith("is/staleness/kl_k1 =") for e in ev)
     assert f"{ED} last/first quarter = 1 ≤ 1.5" in ev
     assert any("is growing" in e for e in ev)  # the failing gate joins B, not A
-    assert d["findings"][0]["override"] == {"algorithm.correction": {
+    assert d.findings[0].override == {"algorithm.correction": {
         "kind": "preset", "name": "decoupled_geo_rs_seq_tis",
         "args": {"is_threshold": 2.0, "rs_threshold": "0.99_1.01"}}}
 
@@ -766,31 +766,31 @@ def test_diagnosis_for_an_inexact_engine_gap_is_unseparated_not_a():
     rise = [0.02 + 0.005 * i for i in range(20)]
     rows = hist({LP: rise, ED: rise, EXACT: [0.0] * 20, "mismatch/engine/kl_k1": [0.08] * 20})
     d = diagnosis_for(rows)
-    assert d["causes"] == [] and not d["healthy"]
-    u = d["unseparated"]
-    assert u["override"] == {"algorithm.old_logprob": "snapshot"} and u["engine_exact"] == 0.0
-    assert "mismatch/engine/kl_k1 = 0.08 > 0.05" in u["evidence"]
-    assert any("is growing" in e for e in u["evidence"])
-    assert "rerun with algorithm.old_logprob: snapshot" in d["summary"]
+    assert d.causes == [] and not d.healthy
+    u = d.unseparated
+    assert u.override == {"algorithm.old_logprob": "snapshot"} and u.engine_exact == 0.0
+    assert "mismatch/engine/kl_k1 = 0.08 > 0.05" in u.evidence
+    assert any("is growing" in e for e in u.evidence)
+    assert "rerun with algorithm.old_logprob: snapshot" in d.summary
     # with no decomposition logged at all (an older run), the failure is not forced into A
     d = diagnosis_for(hist({LP: rise}))
-    assert d["causes"] == [] and d["unseparated"] is not None
+    assert d.causes == [] and d.unseparated is not None
 
 
 def test_diagnosis_for_rising_proxy3_names_d():
     noise = [1.0, 1.0, 1.1, 1.2, 2.0, 3.0, 3.5, 4.0]
     # no IS weight applied: seed 001's "rises after enabling IS" does not apply
-    assert diagnosis_for(hist({"policy/proxy3_pure_noise": noise}))["causes"] == []
+    assert diagnosis_for(hist({"policy/proxy3_pure_noise": noise})).causes == []
     rows = hist({"policy/proxy3_pure_noise": noise, "is/combined/weight_mean": [1.0] * 8})
     d = diagnosis_for(rows)
     # quarters of 8 points: (3.5 + 4.0) / 2 = 3.75 vs (1.0 + 1.0) / 2 = 1.0 → 3.75 > 1.5
-    assert d["causes"] == ["D"]
-    assert d["findings"][0]["evidence"] == [
+    assert d.causes == ["D"]
+    assert d.findings[0].evidence == [
         "policy/proxy3_pure_noise last/first quarter = 3.75 > 1.5"]
-    assert d["findings"][0]["override"]["algorithm.correction"]["name"] == \
+    assert d.findings[0].override["algorithm.correction"]["name"] == \
         "decoupled_token_icepop"
     assert diagnosis_for(hist({"policy/proxy3_pure_noise": [1.0] * 8,
-                               "is/combined/weight_mean": [1.0] * 8}))["causes"] == []
+                               "is/combined/weight_mean": [1.0] * 8})).causes == []
 
 
 def test_diagnosis_for_skips_gates_whose_default_needs_a_reference():
@@ -800,15 +800,15 @@ def test_diagnosis_for_skips_gates_whose_default_needs_a_reference():
     rows = hist({zv: [0.6] * 8, RW: [0.5] * 8})
     assert not evaluate_gate("zero_variance_groups", rows).passed
     d = diagnosis_for(rows)
-    assert d["failed_gates"] == [] and d["causes"] == []
-    assert [g["name"] for g in d["skipped_gates"]] == ["zero_variance_groups"]
-    assert "0.53–0.70" in d["skipped_gates"][0]["why"]
-    assert d["summary"] == ("no decision-tree cause matched and every default gate passes. Not "
+    assert d.failed_gates == [] and d.causes == []
+    assert [g.name for g in d.skipped_gates] == ["zero_variance_groups"]
+    assert "0.53–0.70" in d.skipped_gates[0].why
+    assert d.summary == ("no decision-tree cause matched and every default gate passes. Not "
                             "judged without a reference: zero_variance_groups (give it "
                             "relative_to a baseline in a campaign).")
     # repetition_rate compares with the run's own start, so it is still judged
     d = diagnosis_for(hist({REP: [0.1, 0.1, 0.5, 0.5]}))
-    assert [g["name"] for g in d["failed_gates"]] == ["repetition_rate"]
+    assert [g.name for g in d.failed_gates] == ["repetition_rate"]
 
 
 def test_diagnosis_for_runs_the_decision_tree_on_last_window_means():
@@ -816,10 +816,10 @@ def test_diagnosis_for_runs_the_decision_tree_on_last_window_means():
     rows = hist({"is/combined/ess": [0.9] * 6 + [0.2, 0.2], "mismatch/engine/kl_k1": [0.08] * 8,
                  EXACT: [1.0] * 8, "mismatch/train_rollout/chi2_token": [0.5] * 8})
     d = diagnosis_for(rows)
-    assert d["causes"] == ["A", "D"]
-    assert d["escalation"] == "systems_fix" and "fix the system" in d["escalation_text"]
-    assert any("is/combined/ess = 0.2 < 0.5" in e for f in d["findings"] for e in f["evidence"])
-    assert diagnosis_for([])["causes"] == []
+    assert d.causes == ["A", "D"]
+    assert d.escalation == "systems_fix" and "fix the system" in d.escalation_text
+    assert any("is/combined/ess = 0.2 < 0.5" in e for f in d.findings for e in f.evidence)
+    assert diagnosis_for([]).causes == []
 
 
 # ------------------------------------------------------------------------ real runs

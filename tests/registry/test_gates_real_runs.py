@@ -63,11 +63,11 @@ def test_lagged_runs_at_many_times_the_sync_level_are_judged_on_growth(lagged, r
 
 def test_the_decision_tree_names_the_source_that_grew():
     # sync: its only gap is the engine's, and it doubles (0.007 → 0.013): A
-    assert diagnosis_for(run("sync"))["causes"] == ["A"]
+    assert diagnosis_for(run("sync")).causes == ["A"]
     # group 16, one-step: the staleness KL grows (seed 001's B) while reward collapses
     g16 = diagnosis_for(run("g16-one"))
-    assert g16["causes"] == ["B"]
-    assert any("is/staleness/kl_k1 last/first quarter" in e for e in g16["findings"][0]["evidence"])
+    assert g16.causes == ["B"]
+    assert any("is/staleness/kl_k1 last/first quarter" in e for e in g16.findings[0].evidence)
     # lr 1e-4, one-step: flat at 0.07 (lag × a large update), no growing source: no cause
     flat = diagnosis_for(run("one-1e4"))
-    assert flat["causes"] == [] and flat["unseparated"] is None
+    assert flat.causes == [] and flat.unseparated is None

@@ -145,7 +145,7 @@ def test_the_decision_tree_names_no_cause_on_the_flat_lagged_run():
 
     runs = {name: h for _, name, h, _ in RUNS}
     healthy = diagnosis_for(runs["flat-at-5x-sync"])
-    assert healthy["causes"] == [] and healthy["unseparated"] is None, healthy["summary"]
+    assert healthy.causes == [] and healthy.unseparated is None, healthy.summary
     grown = diagnosis_for(runs["no-correction"])
-    assert grown["unseparated"] is not None
-    assert grown["unseparated"]["override"] == {"algorithm.old_logprob": "snapshot"}
+    assert grown.unseparated is not None
+    assert grown.unseparated.override == {"algorithm.old_logprob": "snapshot"}
