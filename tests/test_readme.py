@@ -1,16 +1,18 @@
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+ALGORITHMS = ROOT / "docs" / "algorithms.md"  # the "Calling the library" example lives here
 
 
-def test_readme_python_example_runs(capsys):
-    """The README's "Calling the library" example is real code: run it."""
-    text = README.read_text()
+def test_docs_python_example_runs(capsys):
+    """The "Calling the library" example of docs/algorithms.md is real code: run it."""
+    text = ALGORITHMS.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "README lost its python example"
+    assert blocks, "docs/algorithms.md lost its python example"
     namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    exec(compile(blocks[0], "docs/algorithms.md", "exec"), namespace)
     assert namespace["log_prob"].grad is not None
     assert "is/engine/ess" in namespace["metrics"]
     out = capsys.readouterr().out.splitlines()
@@ -23,3 +25,9 @@ def test_readme_quick_start_matches_ci():
     commands = re.findall(r"```bash\n\s*(.*?)\n\s*```", README.read_text(), flags=re.S)
     assert len(commands) >= 2
     assert commands[1].strip() in ci
+
+
+def test_readme_test_command_builds_the_docs_strictly():
+    """The test command builds the docs site in strict mode, so a broken link fails CI."""
+    commands = re.findall(r"```bash\n\s*(.*?)\n\s*```", README.read_text(), flags=re.S)
+    assert "mkdocs build --strict" in commands[1]

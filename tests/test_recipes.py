@@ -9,7 +9,7 @@ from training.recipe import WarmStartModel, load_recipe, recipe_from_dict, recip
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 EXPECTED = {"sync", "one_step", "fully_async", "sync-moe", "one_step-moe", "fully_async-moe"}
 FILES = sorted(RECIPES.glob("*.yaml"))
-# the stress testbed (README "Stress testbed") has its own size and settings
+# the stress testbed (docs/findings/stress-testbed.md) has its own size and settings
 STRESS = [p for p in FILES if p.stem.startswith("stress-")]
 FILES = [p for p in FILES if p not in STRESS]
 

@@ -1,7 +1,7 @@
 """Off-policy LLM RL math: IS/RS corrections, CompIS, policy losses, advantages, KL, diagnostics.
 
 Pure tensor functions (torch only). Shapes: B sequences × T response tokens; every function takes
-a (B, T) response mask and ignores whatever sits at masked positions. See README "Algorithms".
+a (B, T) response mask and ignores whatever sits at masked positions. See docs/algorithms.md.
 
 The package imports its submodules lazily (PEP 562): ``import training.algorithms.decision_tree``
 or ``registry.gates`` (which reads the decision tree) does not load torch; ``from
