@@ -63,15 +63,15 @@ from registry.records import (
     RegistryError,
     RunRecord,
     StageRecord,
-    _campaign_record,
-    _gate_record,
-    _owner_record,
-    _promotion_record,
-    _recipe_record,
-    _run_record,
-    _stage_record,
+    campaign_record,
     default_url,
+    gate_record,
     owner_alive,
+    owner_record,
+    promotion_record,
+    recipe_record,
+    run_record,
+    stage_record,
 )
 from training.ownership import ProcessIdentity
 
@@ -458,13 +458,13 @@ class RegistryDB:
     def get_campaign(self, campaign_id: str) -> CampaignRecord | None:
         with self._read() as s:
             c = s.get(CampaignRow, campaign_id)
-            return None if c is None else _campaign_record(c)
+            return None if c is None else campaign_record(c)
 
     def list_campaigns(self) -> list[CampaignRecord]:
         """Every campaign, oldest first."""
         with self._read() as s:
             rows = s.scalars(select(CampaignRow).order_by(CampaignRow.created_at, CampaignRow.id))
-            return [_campaign_record(c) for c in rows]
+            return [campaign_record(c) for c in rows]
 
     def set_campaign_status(
         self,
@@ -526,7 +526,7 @@ class RegistryDB:
         with self._read() as s:
             rows = s.scalars(select(StageRow).where(StageRow.campaign_id == campaign_id)
                              .order_by(StageRow.position, StageRow.id))
-            return [_stage_record(r) for r in rows]
+            return [stage_record(r) for r in rows]
 
     # ---- recipes -------------------------------------------------------------------------
 
@@ -548,7 +548,7 @@ class RegistryDB:
     def get_recipe(self, recipe_hash: str) -> RecipeRecord | None:
         with self._read() as s:
             r = s.get(RecipeRow, recipe_hash)
-            return None if r is None else _recipe_record(r)
+            return None if r is None else recipe_record(r)
 
     def _require_recipe(self, s: Session, recipe_hash: str) -> None:
         if s.get(RecipeRow, recipe_hash) is None:
@@ -641,7 +641,7 @@ class RegistryDB:
                 raise RegistryError(
                     "get_run needs a run_id or all of campaign_id, stage and candidate"
                 )
-            return None if row is None else _run_record(row)
+            return None if row is None else run_record(row)
 
     def runs(self, campaign_id: str, stage: str | None = None) -> list[RunRecord]:
         """A campaign's runs (of one stage if given), in creation order."""
@@ -649,7 +649,7 @@ class RegistryDB:
             q = select(CandidateRunRow).where(CandidateRunRow.campaign_id == campaign_id)
             if stage is not None:
                 q = q.where(CandidateRunRow.stage == stage)
-            return [_run_record(r) for r in s.scalars(q.order_by(CandidateRunRow.id))]
+            return [run_record(r) for r in s.scalars(q.order_by(CandidateRunRow.id))]
 
     # ---- gates ---------------------------------------------------------------------------
 
@@ -700,7 +700,7 @@ class RegistryDB:
         with self._read() as s:
             rows = s.scalars(select(GateResultRow).where(GateResultRow.run_id == int(run_id))
                              .order_by(GateResultRow.id))
-            return [_gate_record(g) for g in rows]
+            return [gate_record(g) for g in rows]
 
     # ---- promotions ----------------------------------------------------------------------
 
@@ -823,7 +823,7 @@ class RegistryDB:
                 q = q.where(PromotionRow.campaign_id == campaign_id)
             if status is not None:
                 q = q.where(PromotionRow.status == status)
-            return [_promotion_record(p) for p in s.scalars(q.order_by(PromotionRow.id))]
+            return [promotion_record(p) for p in s.scalars(q.order_by(PromotionRow.id))]
 
     @staticmethod
     def _promoted(s: Session, campaign_id: str, stage: str) -> PromotionRow | None:
@@ -838,7 +838,7 @@ class RegistryDB:
         None."""
         with self._read() as s:
             p = self._promoted(s, campaign_id, stage)
-            return None if p is None else _promotion_record(p)
+            return None if p is None else promotion_record(p)
 
     # ---- campaign ownership (registry.ownership) -----------------------------------------
 
@@ -857,7 +857,7 @@ class RegistryDB:
                     now = utcnow()
                     previous = None
                     if row is not None and row.token != owner.token:
-                        previous = _owner_record(row, heartbeat_ttl_s)
+                        previous = owner_record(row, heartbeat_ttl_s)
                         if previous.alive:
                             raise CampaignOwnedError(
                                 f"campaign {campaign_id} is being run by asyncrl "
@@ -899,7 +899,7 @@ class RegistryDB:
         """The campaign's owner (``host``, ``pid``, ``alive``, ``describe``, …), or None."""
         with self._read() as s:
             row = s.get(CampaignOwnerRow, campaign_id)
-            return None if row is None else _owner_record(row, heartbeat_ttl_s)
+            return None if row is None else owner_record(row, heartbeat_ttl_s)
 
 
 class CampaignOwnedError(RegistryError):

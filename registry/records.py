@@ -29,8 +29,15 @@ __all__ = [
     "RegistryError",
     "RunRecord",
     "StageRecord",
+    "campaign_record",
     "default_url",
+    "gate_record",
     "owner_alive",
+    "owner_record",
+    "promotion_record",
+    "recipe_record",
+    "run_record",
+    "stage_record",
 ]
 
 #: Environment variable with a SQLAlchemy URL that overrides the default SQLite file.
@@ -235,7 +242,11 @@ class OwnerRecord(_Record):
     (``PID 123 on host (since …)``, as error messages name it)."""
 
 
-def _campaign_record(c: Any) -> CampaignRecord:
+# Row → record converters, shared by the SQLAlchemy store (registry.db) and the stdlib SQLite
+# reader (registry.sqlite_reader): each takes an ORM row or a namespace with the same fields.
+
+
+def campaign_record(c: Any) -> CampaignRecord:
     return CampaignRecord(
         id=c.id,
         name=c.name,
@@ -248,7 +259,7 @@ def _campaign_record(c: Any) -> CampaignRecord:
     )
 
 
-def _stage_record(s: Any) -> StageRecord:
+def stage_record(s: Any) -> StageRecord:
     return StageRecord(
         campaign_id=s.campaign_id,
         name=s.name,
@@ -260,11 +271,11 @@ def _stage_record(s: Any) -> StageRecord:
     )
 
 
-def _recipe_record(r: Any) -> RecipeRecord:
+def recipe_record(r: Any) -> RecipeRecord:
     return RecipeRecord(hash=r.hash, name=r.name, yaml=r.yaml, created_at=_iso(r.created_at))
 
 
-def _run_record(r: Any) -> RunRecord:
+def run_record(r: Any) -> RunRecord:
     return RunRecord(
         id=r.id,
         campaign_id=r.campaign_id,
@@ -282,7 +293,7 @@ def _run_record(r: Any) -> RunRecord:
     )
 
 
-def _gate_record(g: Any) -> GateRecord:
+def gate_record(g: Any) -> GateRecord:
     window = None
     if g.window_start is not None or g.window_end is not None:
         window = (g.window_start, g.window_end)
@@ -299,7 +310,7 @@ def _gate_record(g: Any) -> GateRecord:
     )
 
 
-def _promotion_record(p: Any) -> PromotionRecord:
+def promotion_record(p: Any) -> PromotionRecord:
     return PromotionRecord(
         id=p.id,
         campaign_id=p.campaign_id,
@@ -330,7 +341,7 @@ def owner_alive(identity: ProcessIdentity, heartbeat_at: datetime, heartbeat_ttl
     return (utcnow() - heartbeat_at).total_seconds() < heartbeat_ttl_s
 
 
-def _owner_record(row: Any, heartbeat_ttl_s: float) -> OwnerRecord:
+def owner_record(row: Any, heartbeat_ttl_s: float) -> OwnerRecord:
     identity = ProcessIdentity(host=row.host, pid=row.pid, start_ticks=row.start_ticks,
                                token=row.token, since=_aware(row.acquired_at).timestamp())
     return OwnerRecord(campaign_id=row.campaign_id, host=row.host, pid=row.pid,

@@ -32,14 +32,14 @@ from registry.records import (
     RegistryError,
     RunRecord,
     StageRecord,
-    _campaign_record,
-    _gate_record,
-    _owner_record,
-    _promotion_record,
-    _recipe_record,
-    _run_record,
-    _stage_record,
+    campaign_record,
     default_url,
+    gate_record,
+    owner_record,
+    promotion_record,
+    recipe_record,
+    run_record,
+    stage_record,
 )
 
 if TYPE_CHECKING:
@@ -102,29 +102,29 @@ class SQLiteReader:
     # --- the reads (RegistryDB's queries and order) ------------------------------------------
     def get_campaign(self, campaign_id: str) -> CampaignRecord | None:
         rows = self._all("SELECT * FROM campaigns WHERE id = ?", campaign_id)
-        return _campaign_record(rows[0]) if rows else None
+        return campaign_record(rows[0]) if rows else None
 
     def list_campaigns(self) -> list[CampaignRecord]:
         """Every campaign, oldest first."""
-        return [_campaign_record(r)
+        return [campaign_record(r)
                 for r in self._all("SELECT * FROM campaigns ORDER BY created_at, id")]
 
     def stages(self, campaign_id: str) -> list[StageRecord]:
-        return [_stage_record(r) for r in self._all(
+        return [stage_record(r) for r in self._all(
             "SELECT * FROM stages WHERE campaign_id = ? ORDER BY position, id", campaign_id)]
 
     def get_recipe(self, recipe_hash: str) -> RecipeRecord | None:
         rows = self._all("SELECT * FROM recipes WHERE hash = ?", recipe_hash)
-        return _recipe_record(rows[0]) if rows else None
+        return recipe_record(rows[0]) if rows else None
 
     def runs(self, campaign_id: str, stage: str | None = None) -> list[RunRecord]:
         sql, args = "SELECT * FROM candidate_runs WHERE campaign_id = ?", [campaign_id]
         if stage is not None:
             sql, args = sql + " AND stage = ?", [*args, stage]
-        return [_run_record(r) for r in self._all(sql + " ORDER BY id", *args)]
+        return [run_record(r) for r in self._all(sql + " ORDER BY id", *args)]
 
     def gate_results(self, run_id: int) -> list[GateRecord]:
-        return [_gate_record(r) for r in self._all(
+        return [gate_record(r) for r in self._all(
             "SELECT * FROM gate_results WHERE run_id = ? ORDER BY id", int(run_id))]
 
     def promotions(self, *, campaign_id: str | None = None, status: str | None = None
@@ -135,11 +135,11 @@ class SQLiteReader:
                 where.append(f"{column} = ?")
                 args.append(value)
         sql = "SELECT * FROM promotions" + (f" WHERE {' AND '.join(where)}" if where else "")
-        return [_promotion_record(r) for r in self._all(sql + " ORDER BY id", *args)]
+        return [promotion_record(r) for r in self._all(sql + " ORDER BY id", *args)]
 
     def campaign_owner(self, campaign_id: str, heartbeat_ttl_s: float) -> OwnerRecord | None:
         rows = self._all("SELECT * FROM campaign_owners WHERE campaign_id = ?", campaign_id)
-        return _owner_record(rows[0], heartbeat_ttl_s) if rows else None
+        return owner_record(rows[0], heartbeat_ttl_s) if rows else None
 
 
 def _sqlite_path(url: str) -> Path | None:

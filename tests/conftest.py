@@ -23,7 +23,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from training.engines.ports import free_port
 
 settings.register_profile("default", derandomize=True, deadline=None)
 settings.register_profile("explore", derandomize=False, deadline=None)
@@ -77,12 +78,6 @@ def _pg_bin_dir() -> Path | None:
         return Path(found[-1]).parent
     on_path = shutil.which("pg_ctl")
     return Path(on_path).parent if on_path else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:
@@ -168,7 +163,7 @@ def _local_server():
     if os.geteuid() == 0:
         for path in (root, sock):
             os.chown(path, pw.pw_uid, pw.pw_gid)
-    port = _free_port()
+    port = free_port()
     started = False
     try:
         _run([str(bin_dir / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust",

@@ -142,3 +142,40 @@ def test_no_cycles_between_cli_modules():
     other's private names in both directions."""
     graph = _ui_module_graph()
     assert _cycle(graph) is None, " → ".join(_cycle(graph) or [])
+
+
+def test_no_module_imports_another_module_s_private_names():
+    """A helper two modules share is public in one small module (training.engines.ports,
+    training.engines.retained, registry.records' converters), never a ``_name`` reached into
+    from outside: a private name may change without warning, and importing it hides a shared
+    dependency from the reader."""
+    bad = []
+    for package in PACKAGES:
+        for p in _sources(package):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                        and node.module.split(".")[0] in PACKAGES:
+                    bad += [(str(p.relative_to(ROOT)), node.module, a.name) for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for p in _sources(package):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            src = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            for m in _imports(p):
+                if m.split(".")[0] in PACKAGES and m != src:
+                    graph.setdefault(src, set()).add(m)
+    return graph
+
+
+def test_no_cycles_between_modules():
+    """No module imports itself back through others, inside functions included (the last one,
+    embedded.launch → embedded.server → sglang.nccl_sync → embedded.launch for ``free_port``,
+    ended when the helper moved to training.engines.ports)."""
+    graph = _module_graph()
+    assert "training.engines.ports" in graph.get("training.engines.sglang.nccl_sync", set())
+    assert _cycle(graph) is None, " → ".join(_cycle(graph) or [])

@@ -7,7 +7,6 @@ up` the ``postgresql+psycopg://`` one."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from typer.testing import CliRunner
 
 from flows.tracking import TAG_LOGGED_UNTIL, MLflowSink, Tracker, redact_uri
 from registry.db import with_psycopg3
+from training.engines.ports import free_port
 from training.recipe import Recipe, recipe_hash
 from ui import services_cli
 
@@ -161,22 +161,16 @@ def test_tracker_on_a_fresh_postgres_database(home: Path, pg: str, tmp_path: Pat
     assert client.get_run(child).info.status == "FINISHED"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_up_serves_the_postgres_store(home: Path, postgres_db: str, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     app = typer.Typer()
     services_cli.register(app)
     runner = CliRunner()
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     pg = postgres_db  # postgresql+psycopg://postgres@127.0.0.1:PORT/DB
     # as after following `up`'s advice: runs point at a server, so the store is named explicitly
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     r = runner.invoke(app, ["up", "--no-prefect", "--mlflow-port", str(port),
                             "--mlflow-backend-store-uri", pg, "--timeout", "180"])
     assert r.exit_code == 0, r.output

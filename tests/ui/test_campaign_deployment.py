@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from training.engines.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CAMPAIGN = {
@@ -29,12 +30,6 @@ CAMPAIGN = {
     },
     "stages": [{"name": "only", "gates": [{"name": "staleness_within_bound"}]}],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(args: list[str], env: dict[str, str], timeout: float = 600
@@ -77,7 +72,7 @@ def test_deployment_needs_a_server(tmp_path: Path, env: dict[str, str]) -> None:
     path.write_text(yaml.safe_dump(CAMPAIGN))
     line = _one_error_line(_cli(["campaign", "launch", str(path), "--deployment"], env))
     assert "PREFECT_API_URL is not set" in line and "asyncrl up" in line
-    env["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"  # nothing listens there
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     line = _one_error_line(_cli(["campaign", "launch", str(path), "--deployment"], env))
     assert "no Prefect server answers" in line
     line = _one_error_line(_cli(["campaign", "launch", str(path), "--detach"], env))
@@ -88,7 +83,7 @@ def test_deployment_needs_a_server(tmp_path: Path, env: dict[str, str]) -> None:
 def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str]) -> None:
     path = tmp_path / "deploytest.yaml"
     path.write_text(yaml.safe_dump(CAMPAIGN))
-    port = _free_port()
+    port = free_port()
     up = _cli(["up", "--no-mlflow", "--prefect-port", str(port), "--timeout", "180"], env)
     assert up.returncode == 0, up.stdout + up.stderr
     env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
@@ -153,7 +148,7 @@ def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
 
     path = tmp_path / "deploytest.yaml"
     path.write_text(yaml.safe_dump(CAMPAIGN))
-    port = _free_port()
+    port = free_port()
     up = _cli(["up", "--no-mlflow", "--prefect-port", str(port), "--timeout", "180"], env)
     assert up.returncode == 0, up.stdout + up.stderr
     api = env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"

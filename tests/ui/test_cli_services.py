@@ -14,6 +14,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from training.engines.ports import free_port
 from ui import services_cli
 
 runner = CliRunner()
@@ -32,12 +33,6 @@ def home(services_home: Path) -> Path:
     return services_home
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _one_error_line(result) -> str:
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
@@ -50,7 +45,7 @@ def _one_error_line(result) -> str:
 
 
 def test_up_mlflow_then_down(cli, home: Path) -> None:
-    port = _free_port()
+    port = free_port()
     r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
     assert r.exit_code == 0, r.output
     assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in r.stdout
@@ -114,7 +109,7 @@ def test_up_server_exits_early(cli, home: Path, monkeypatch: pytest.MonkeyPatch)
         return spec
 
     monkeypatch.setattr(services_cli, "service_spec", failing)
-    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(_free_port())])
+    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(free_port())])
     line = _one_error_line(r)
     assert "exited" in line and str(home / "logs" / "mlflow-server.log") in line
     assert "boom" in (home / "logs" / "mlflow-server.log").read_text()
@@ -149,7 +144,7 @@ def test_deploy_needs_prefect_server(cli, home: Path, tmp_path: Path,
     path = _campaign(tmp_path)
     line = _one_error_line(runner.invoke(cli, ["deploy", str(path)]))
     assert "PREFECT_API_URL" in line and "asyncrl up" in line
-    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{_free_port()}/api")
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{free_port()}/api")
     line = _one_error_line(runner.invoke(cli, ["deploy", str(path)]))
     assert "no Prefect server answers" in line and "asyncrl up" in line
 
@@ -240,7 +235,7 @@ def test_links_resolve_on_a_running_mlflow_server(cli, home: Path, two_runs,
     import httpx
 
     a, b = two_runs
-    port = _free_port()
+    port = free_port()
     r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
     assert r.exit_code == 0, r.output
     uri = f"http://127.0.0.1:{port}"

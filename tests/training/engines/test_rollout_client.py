@@ -14,9 +14,10 @@ from training.engines.client import (
     SyncRolloutClient,
     _estimate_tokens,
 )
-from training.engines.embedded.launch import EmbeddedServer, free_port, start_all
+from training.engines.embedded.launch import EmbeddedServer, start_all
 from training.engines.hf_io import save_hf_dir
 from training.engines.model import CausalLM, ModelConfig
+from training.engines.ports import free_port
 from training.engines.rollout import EngineRequestError, GenerateRequest, SamplingParams
 from training.tasks.tokenizer import CharTokenizer
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from training.engines.ports import free_port
 from training.paths import state_dir
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedServer:

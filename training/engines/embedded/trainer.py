@@ -36,19 +36,15 @@ embedded backend:
 from __future__ import annotations
 
 import math
-import random
 import shutil
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from training.engines.hf_io import (
     CheckpointError,
@@ -71,12 +67,23 @@ from training.engines.objective import (
     response_log_probs,
     step_metrics,
 )
+from training.engines.retained import (
+    TRAINER_STATE_FILE,
+    RetainedState,
+    SnapshotStore,
+    Weights,
+    optim_config_state,
+    optim_from_state,
+    read_routes,
+    read_weights,
+    rng_state,
+    set_rng_state,
+)
 from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
     DEFAULT_STEP_CONFIG,
     LogProbResult,
     OptimConfig,
-    SnapshotUnavailableError,
     StepConfig,
     TokenBatch,
     check_temperature,
@@ -95,168 +102,10 @@ __all__ = [
 
 DEFAULT_SNAPSHOT_BUDGET_BYTES = 256 * 2**20
 DEFAULT_ROUTE_CACHE_SEQUENCES = 50_000
-TRAINER_STATE_FILE = "trainer_state.pt"
 SNAPSHOT_DIR = "snapshots"
 ROUTE_CACHE_FILE = "r2_routes.safetensors"
 STATE_FORMAT = 1
 
-Weights = dict[str, torch.Tensor]
-
-
-# ------------------------------------------------------------------------------------------------
-# Snapshots
-# ------------------------------------------------------------------------------------------------
-
-
-def _nbytes(weights: Weights) -> int:
-    return sum(t.numel() * t.element_size() for t in weights.values())
-
-
-class SnapshotStore:
-    """CPU copies of recent weight versions within ``budget_bytes``; oldest evicted first.
-
-    ``unit_bytes``: count every snapshot as this many bytes instead of its own size (the Megatron
-    ranks pass their largest shard's size, so ranks with smaller shards retain the same
-    versions)."""
-
-    def __init__(self, budget_bytes: int, unit_bytes: int | None = None) -> None:
-        if budget_bytes < 0:
-            raise ValueError("snapshot budget must be >= 0 bytes (0 disables snapshots)")
-        self.budget_bytes = int(budget_bytes)
-        self.unit_bytes = unit_bytes
-        self._snaps: OrderedDict[int, Weights] = OrderedDict()
-        self._last_size = 0
-
-    def put(self, version: int, weights: Weights) -> None:
-        """Retain ``weights`` (already CPU copies) as ``version``, then evict down to the budget."""
-        self._snaps.pop(version, None)
-        self._snaps[version] = weights
-        self._last_size = self.unit_bytes or _nbytes(weights)
-        while self._snaps and self.nbytes > self.budget_bytes:
-            self._snaps.popitem(last=False)
-
-    def get(self, version: int) -> Weights:
-        if version not in self._snaps:
-            raise SnapshotUnavailableError(self._missing_message(version))
-        return self._snaps[version]
-
-    def _missing_message(self, version: int) -> str:
-        if self.budget_bytes == 0:
-            why = "snapshots are disabled (snapshot_budget_bytes=0)"
-        elif not self._last_size:
-            why = "no version was retained yet: snapshots are taken right before an update"
-        else:
-            fit = self.budget_bytes // self._last_size
-            why = (f"retained snapshots: {self.versions() or 'none'}; snapshot_budget_bytes="
-                   f"{self.budget_bytes} holds {fit} snapshot(s) of {self._last_size} bytes")
-        return (f"weight version {version} is not available in this trainer ({why}). Raise "
-                "snapshot_budget_bytes, or compute the old log-probs before the update that "
-                "replaces that version")
-
-    def versions(self) -> list[int]:
-        return list(self._snaps)
-
-    def items(self) -> list[tuple[int, Weights]]:
-        return list(self._snaps.items())
-
-    @property
-    def nbytes(self) -> int:
-        if self.unit_bytes:
-            return self.unit_bytes * len(self._snaps)
-        return sum(_nbytes(w) for w in self._snaps.values())
-
-    def drop(self, versions: Sequence[int]) -> None:
-        for v in versions:
-            self._snaps.pop(v, None)
-
-    def clear(self) -> None:
-        self._snaps.clear()
-
-    def replace(self, items: Sequence[tuple[int, Weights]]) -> None:
-        """Clear the store, then :meth:`put` ``items`` (version, weights) in order."""
-        self.clear()
-        for v, w in items:
-            self.put(v, w)
-
-
-class RetainedState:
-    """Snapshot and route-cache bookkeeping shared by :class:`EmbeddedTrainEngine` and the
-    Megatron rank (:class:`training.engines.megatron.rank.MegatronRank`).
-
-    The engine provides ``_snapshots`` (a :class:`SnapshotStore`), ``_routes`` (a
-    :class:`~training.engines.routes.RouteCache`), ``_version`` (the current weight version),
-    ``_shadow`` (the model that runs other weights, or None) and ``_shadow_version`` (the
-    version loaded into it, or None).
-    """
-
-    _snapshots: SnapshotStore
-    _routes: RouteCache
-    _version: int
-    _shadow: Any
-    _shadow_version: int | None
-
-    def snapshot_versions(self) -> list[int]:
-        return self._snapshots.versions()
-
-    def snapshot_info(self) -> dict[str, Any]:
-        """Retained versions, their bytes and the budget."""
-        return {"versions": self._snapshots.versions(), "bytes": self._snapshots.nbytes,
-                "budget_bytes": self._snapshots.budget_bytes, "current": self._version,
-                "route_cache_sequences": len(self._routes)}
-
-    def drop_snapshots(self, versions: Sequence[int] | None = None) -> None:
-        """Forget retained versions (all when None)."""
-        if versions is None:
-            self._snapshots.clear()
-        else:
-            self._snapshots.drop(versions)
-        if self._shadow_version not in self._snapshots.versions():
-            self._shadow_version = None
-
-    def close(self) -> None:
-        """Release the retained snapshots, the route cache and the shadow model."""
-        self._snapshots.clear()
-        self._routes.clear()
-        self._shadow = None
-        self._shadow_version = None
-
-    def _restore_retained(self, snapshots: Sequence[tuple[int, Weights]],
-                          routes: Sequence[tuple[tuple[int, str], torch.Tensor]]) -> None:
-        """Replace the snapshots and the route cache by a checkpoint's (the shadow model no
-        longer holds a known version)."""
-        self._snapshots.replace(snapshots)
-        self._routes.replace(routes)
-        self._shadow_version = None
-
-
-# ------------------------------------------------------------------------------------------------
-# RNG state (exact resume)
-# ------------------------------------------------------------------------------------------------
-
-
-def _rng_state() -> dict[str, Any]:
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    py_version, py_state, py_gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "python": {"version": int(py_version), "state": list(py_state), "gauss_next": py_gauss},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -667,10 +516,10 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
                 "format": STATE_FORMAT,
                 "step": self._step,
                 "weight_version": self._version,
-                "optim_config": _optim_config_state(self.optim),
+                "optim_config": optim_config_state(self.optim),
                 "optimizer": self._optimizer.state_dict(),
                 "snapshot_versions": [v for v, _ in snaps],
-                "rng": _rng_state(),
+                "rng": rng_state(),
             }
             torch.save(state, tmp / TRAINER_STATE_FILE)
             move_into_place(tmp, target)
@@ -691,10 +540,10 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
                                   f"this engine ({self.model.config}); build the engine with "
                                   "EmbeddedTrainEngine.from_checkpoint")
         weights = read_state_dict(d)
-        optim = _optim_from_state(state, d)
-        snapshots = [(int(v), _read_weights(d / SNAPSHOT_DIR / f"v{int(v)}.safetensors"))
+        optim = optim_from_state(state, d)
+        snapshots = [(int(v), read_weights(d / SNAPSHOT_DIR / f"v{int(v)}.safetensors"))
                      for v in state["snapshot_versions"]]
-        routes = _read_routes(d / ROUTE_CACHE_FILE)
+        routes = read_routes(d / ROUTE_CACHE_FILE)
         try:
             tokenizer = CharTokenizer.load(d)
         except (FileNotFoundError, OSError, ValueError) as e:
@@ -712,7 +561,7 @@ class EmbeddedTrainEngine(RetainedState, RouteReplay):
         self.optim, self._optimizer, self.tokenizer = optim, optimizer, tokenizer
         self._step, self._version = int(state["step"]), int(state["weight_version"])
         self._restore_retained(snapshots, routes)
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -755,37 +604,3 @@ def _read_trainer_state(d: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} has format {state['format']}, this asyncrl reads "
                               f"{STATE_FORMAT}")
     return state
-
-
-def _optim_config_state(optim: OptimConfig) -> dict[str, Any]:
-    """``optim`` as the ``optim_config`` entry of a trainer state (betas as a list)."""
-    return {**asdict(optim), "betas": list(optim.betas)}
-
-
-def _optim_from_state(state: dict[str, Any], d: Path) -> OptimConfig:
-    """The OptimConfig of a trainer state read from checkpoint ``d`` (CheckpointError if bad)."""
-    try:
-        return OptimConfig(**{**state["optim_config"],
-                              "betas": tuple(state["optim_config"]["betas"])})
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{d / TRAINER_STATE_FILE}: bad optimizer config ({e}); the "
-                              "checkpoint is corrupt — resume from an earlier one") from None
-
-
-def _read_weights(path: Path) -> Weights:
-    try:
-        return load_file(str(path))
-    except Exception as e:  # safetensors raises several types for corrupt files
-        raise CheckpointError(f"snapshot {path} is missing or unreadable ({type(e).__name__}: "
-                              f"{e}); the checkpoint is incomplete — resume from an earlier "
-                              "one") from None
-
-
-def _read_routes(path: Path) -> list[tuple[tuple[int, str], torch.Tensor]]:
-    if not path.exists():
-        return []
-    out = []
-    for name, routes in sorted(_read_weights(path).items()):
-        _, v, key = name.split(":")
-        out.append(((int(v), key), routes))
-    return out

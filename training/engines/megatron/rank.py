@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -72,16 +71,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from training.algorithms.is_correction import EWMAConfig, EWMAState, ewma_update
-from training.engines.embedded.trainer import (
-    RetainedState,
-    SnapshotStore,
-    _optim_config_state,
-    _optim_from_state,
-    _read_routes,
-    _read_weights,
-    _rng_state,
-    _set_rng_state,
-)
 from training.engines.hf_io import (
     CheckpointError,
     check_hf_dir,
@@ -113,6 +102,18 @@ from training.engines.objective import (
     response_log_probs,
     step_metrics,
 )
+from training.engines.ports import free_port
+from training.engines.retained import (
+    TRAINER_STATE_FILE,
+    RetainedState,
+    SnapshotStore,
+    optim_config_state,
+    optim_from_state,
+    read_routes,
+    read_weights,
+    rng_state,
+    set_rng_state,
+)
 from training.engines.routes import RouteCache, RouteReplay, pad_routes
 from training.engines.train import (
     DEFAULT_STEP_CONFIG,
@@ -130,7 +131,6 @@ from training.tasks.tokenizer import CharTokenizer
 
 __all__ = ["MEGATRON_DIR", "TRAINER_STATE_FILE", "MegatronRank", "Parallelism"]
 
-TRAINER_STATE_FILE = "trainer_state.pt"
 MEGATRON_DIR = "megatron"
 RANKS_DIR = "ranks"
 ROUTE_CACHE_FILE = "r2_routes.safetensors"
@@ -193,12 +193,6 @@ def check_model_fits(cfg: ModelConfig, parallel: Parallelism) -> None:
                          "model: megatron trains MoE layers under TP only with sequence "
                          "parallelism, which asyncrl does not run; split the experts with "
                          "expert_parallel (and data_parallel) instead")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -307,7 +301,8 @@ class MegatronRank(RetainedState, RouteReplay):
         """(host, free port) for the TCP rendezvous; asked of rank 0."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
 
     def init_distributed(self, host: str, port: int) -> int:
         """Join the world (gloo on CPU, nccl on GPU) and build megatron's parallel groups."""
@@ -549,7 +544,7 @@ class MegatronRank(RetainedState, RouteReplay):
             cfg = read_model_config(d)
             tokenizer = CharTokenizer.load(d)
             state = _read_trainer_state(d)
-            optim = _optim_from_state(state, d)
+            optim = optim_from_state(state, d)
             # build the layer spec the checkpoint was written with (before the TE spec: local);
             # the local spec runs everywhere, the TE one only where TE and a GPU exist
             layout = state.get("layout", "local")
@@ -1075,7 +1070,7 @@ class MegatronRank(RetainedState, RouteReplay):
             rank_dir.mkdir()
             for v, weights in snaps:
                 save_file(weights, str(rank_dir / f"v{v}.safetensors"))
-            torch.save({"rng": _rng_state(), "tracker": _tracker_states(),
+            torch.save({"rng": rng_state(), "tracker": _tracker_states(),
                         "coords": list(self._coords())}, rank_dir / "rng.pt")
             if self.rank == 0:
                 if len(self._routes):
@@ -1083,7 +1078,7 @@ class MegatronRank(RetainedState, RouteReplay):
                 torch.save({
                     "format": STATE_FORMAT, "kind": STATE_KIND, "step": self._step,
                     "weight_version": self._version,
-                    "optim_config": _optim_config_state(self.optim),
+                    "optim_config": optim_config_state(self.optim),
                     "parallel": self.parallel.sizes(),
                     "layout": self.layout,
                     "distributed_optimizer": self.parallel.distributed_optimizer,
@@ -1154,7 +1149,7 @@ class MegatronRank(RetainedState, RouteReplay):
         self.optim = optim
         self._step, self._version = int(state["step"]), int(state["weight_version"])
         self._restore_retained(snapshots, routes)
-        _set_rng_state(rank_state["rng"])
+        set_rng_state(rank_state["rng"])
         _set_tracker_states(rank_state["tracker"])
         return self.state()
 
@@ -1187,7 +1182,7 @@ class MegatronRank(RetainedState, RouteReplay):
                                   f"{self.parallel.precision}; resume with engines.megatron."
                                   f"precision: {precision}, or warm start from its HF weights "
                                   "(the checkpoint directory is also an HF model directory)")
-        optim = _optim_from_state(state, d)
+        optim = optim_from_state(state, d)
         rank_dir = d / RANKS_DIR / f"rank{self.rank}"
         try:
             rank_state = torch.load(rank_dir / "rng.pt", map_location="cpu", weights_only=True)
@@ -1201,9 +1196,9 @@ class MegatronRank(RetainedState, RouteReplay):
         if coords != list(self._coords()):
             raise CheckpointError(f"{rank_dir} belongs to another rank layout; resume with the "
                                   "same engines.megatron sizes")
-        snapshots = [(int(v), _read_weights(rank_dir / f"v{int(v)}.safetensors"))
+        snapshots = [(int(v), read_weights(rank_dir / f"v{int(v)}.safetensors"))
                      for v in state["snapshot_versions"]]
-        routes = _read_routes(d / ROUTE_CACHE_FILE)
+        routes = read_routes(d / ROUTE_CACHE_FILE)
         if not (d / MEGATRON_DIR / "metadata.json").is_file():
             raise CheckpointError(f"{d / MEGATRON_DIR} holds no dist_checkpointing metadata; the "
                                   "checkpoint is incomplete — resume from an earlier one")

@@ -85,7 +85,7 @@ class SGLangEngineActor:
         self.index = int(index)
         self.checkpoint = str(checkpoint)
         self.host = host if host is not None else _node_ip()
-        from training.engines.embedded.launch import free_port
+        from training.engines.ports import free_port
 
         self.port = int(port) if port is not None else free_port(self.host)
         self.command = list(command) if command is not None else None

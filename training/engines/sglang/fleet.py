@@ -115,7 +115,7 @@ class SGLangFleet:
         return self.urls
 
     def _start_router(self, ray: Any) -> None:
-        from training.engines.embedded.launch import free_port
+        from training.engines.ports import free_port
 
         host = self.host or ray.util.get_node_ip_address()  # where the rollouter can reach it
         port, prom = free_port(host), free_port(host)

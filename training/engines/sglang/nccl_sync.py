@@ -366,7 +366,7 @@ class TrainerNcclPusher:
         Returns the group's description (plain data)."""
         import torch
 
-        from training.engines.embedded.launch import free_port
+        from training.engines.ports import free_port
 
         self.close()
         if backend == "nccl" and (device or "cuda").startswith("cuda") \

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from training.engines.embedded.launch import free_port
 from training.engines.hf_io import load_hf_dir
+from training.engines.ports import free_port
 from training.engines.sampling import sampling_log_probs
 from training.tasks.tokenizer import CharTokenizer
 

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from training.engines.client import SyncRolloutClient
-from training.engines.embedded.launch import EmbeddedServer, free_port
+from training.engines.embedded.launch import EmbeddedServer
 from training.engines.hf_io import META_FILE
+from training.engines.ports import free_port
 from training.engines.rollout import GenerateRequest, RolloutEngineError, SamplingParams
 from training.tasks.tokenizer import CharTokenizer
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from training.engines.embedded.launch import free_port
+from training.engines.ports import free_port
 from training.engines.sglang.nccl_sync import (
     NcclSyncError,
     NcclWeightSync,
