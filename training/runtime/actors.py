@@ -73,18 +73,16 @@ class SampleBuffer:
                 except TimeoutError:
                     return None
 
-    async def snapshot(self) -> dict[str, Any]:
-        """Buffered groups (as JSON data) and the drain state, for a checkpoint."""
-        groups = self.buffer.buffered()
-        return {"groups": [g.to_json() for g in groups],
-                "buffered_ids": sorted(g.group_id for g in groups)}
+    async def snapshot(self) -> list[Group]:
+        """The buffered groups, for a checkpoint."""
+        return list(self.buffer.buffered())
 
-    async def restore(self, groups: list[dict[str, Any]], submitted_ids: list[int]) -> None:
+    async def restore(self, groups: list[Group], submitted_ids: list[int]) -> None:
         """Resume: register ``submitted_ids`` (buffered + regenerated) and put the groups back."""
         for gid in sorted(submitted_ids):
             self.buffer.submitted(gid)
         for g in groups:
-            self.buffer.put(Group.from_json(g))
+            self.buffer.put(g)
 
     async def stats(self) -> dict[str, float]:
         """Buffer figures; ``async/drain_max_lead`` = the largest (group id − window head) of any

@@ -23,7 +23,8 @@ Run directory: ``recipe.yaml``, ``metrics.jsonl``, ``eval.jsonl`` (each eval's p
 rewards, :mod:`training.evals`), ``checkpoint/`` (``trainer/`` exact trainer
 state, ``hf/`` the weights the engines serve, ``runtime.json`` counters and pipeline state,
 ``buffer.jsonl`` completed groups not yet trained on), ``weights/`` (sync exports),
-``final/hf`` (HF checkpoint of the last weights), ``summary.json``.
+``final/hf`` (HF checkpoint of the last weights), ``summary.json``. Writing and reading the
+checkpoint: :mod:`training.runtime.checkpoint`; the counters: :class:`~.types.RunCounters`.
 
 Resume (``resume=RUN_DIR``): the trainer restarts exactly from ``checkpoint/trainer``; the engines
 start from ``checkpoint/hf``; groups that were buffered are restored from ``buffer.jsonl``; groups
@@ -35,24 +36,34 @@ on twice, nothing is silently lost. Metrics of steps after the checkpoint are cu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.engines.hf_io import CheckpointError, move_into_place, read_meta
+from training.engines.hf_io import CheckpointError, read_meta
 from training.evals import EVAL_FILE, EvalOutcome, EvalResult, append_eval
-from training.fileio import atomic_write_text, recover_dir
+from training.fileio import atomic_write_text
 from training.ownership import OwnedError, RunDirLock
-from training.recipe import CheckpointModel, Recipe, recipe_from_dict, recipe_hash
+from training.recipe import CheckpointModel, Recipe, recipe_hash
 from training.runtime.backends import BackendError, RolloutBackend, rollout_backend
+from training.runtime.checkpoint import (
+    CHECKPOINT_DIR,
+    ResumeError,
+    read_buffer,
+    read_resume_state,
+    recipe_identity,
+    truncate_history,
+    write_checkpoint,
+)
 from training.runtime.pipeline import staleness_metrics, step_of_version
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
-from training.runtime.types import Group, RolloutState, RunState
+from training.runtime.types import Group, RolloutState, RunCounters, RunState
 from training.runtime.weight_sync import ParameterSync, SyncError, parameter_sync
 
 __all__ = ["RunError", "RunResult", "Runtime", "default_run_dir", "initial_checkpoint",
@@ -61,10 +72,7 @@ __all__ = ["RunError", "RunResult", "Runtime", "default_run_dir", "initial_check
 log = logging.getLogger("asyncrl.runtime")
 
 ProgressFn = Callable[[int, int, dict[str, float]], None]
-CHECKPOINT_DIR = "checkpoint"
 NCCL_TRAINER_METHODS = ("init_weight_sync_nccl", "push_weights_nccl")
-RUNTIME_STATE = "runtime.json"
-BUFFER_FILE = "buffer.jsonl"
 
 
 class RunError(Exception):
@@ -220,14 +228,6 @@ def split_stale(groups: Sequence[Group], step: int, step_start_versions: Sequenc
     return kept_groups, staleness, dropped
 
 
-def dropped_stale_frac(counters: Mapping[str, float]) -> float:
-    """Cumulative share of responses dropped as too stale (``max_off_policy_steps``) among those
-    dropped or trained on: dropped / (dropped + trained); 0 before either."""
-    dropped = float(counters["dropped_stale_samples"])
-    total = dropped + float(counters["trained_samples"])
-    return dropped / total if total > 0 else 0.0
-
-
 class Runtime:
     """One run (see the module docstring); use :func:`run_recipe`."""
 
@@ -254,12 +254,7 @@ class Runtime:
         self.step = 0
         self.step_start_versions: list[int] = []
         self.consumed_samples = 0
-        self.counters: dict[str, float] = dict(
-            dropped_stale_samples=0, stale_samples_processed=0, stale_trajectories_processed=0,
-            rejected_batches=0, rejected_samples=0, trained_samples=0, trained_tokens=0,
-            wait_time_s=0.0,
-            train_time_s=0.0, sync_time_s=0.0, sync_wait_s=0.0, eval_time_s=0.0,
-            wall_time_s=0.0)
+        self.counters = RunCounters()
         self.init_dir: Path | None = None
         self._sigint = False
         self.last_eval: dict[str, float] = {}
@@ -281,25 +276,10 @@ class Runtime:
             raise RunError(str(e)) from None
 
     def _load_resume_state(self) -> RunState:
-        ckpt = self.run_dir / CHECKPOINT_DIR
-        if recover_dir(ckpt):  # killed between the two renames of the last checkpoint's swap
-            log.warning("restored %s from the copy a killed checkpoint swap left", ckpt)
-        state_path = ckpt / RUNTIME_STATE
-        if not state_path.is_file():
-            raise RunError(f"{self.run_dir} has no checkpoint ({state_path} is missing); resume "
-                           "needs a run directory written by asyncrl train with a checkpoint")
         try:
-            state = RunState.from_json(json.loads(state_path.read_text()))
-        except json.JSONDecodeError as e:
-            raise RunError(f"{state_path} is corrupt ({e.msg}); resume from another run "
-                           "directory or start afresh") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise RunError(f"{state_path} is not a run state ({type(e).__name__}: {e}); resume "
-                           "from another run directory or start afresh") from None
-        if state.recipe_identity != _identity(self.recipe):
-            raise RunError(f"the recipe differs from the one {self.run_dir} was started with; "
-                           f"resume with the run's own recipe ({self.run_dir / 'recipe.yaml'})")
-        return state
+            return read_resume_state(self.run_dir, self.recipe)
+        except ResumeError as e:
+            raise RunError(str(e)) from None
 
     # --- the run ------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -322,8 +302,8 @@ class Runtime:
             shutil.rmtree(self.run_dir / "weights", ignore_errors=True)
         metrics_path = self.run_dir / "metrics.jsonl"
         if resume_state is not None:
-            _truncate_metrics(metrics_path, self.step)
-            _truncate_metrics(self.run_dir / EVAL_FILE, self.step)
+            truncate_history(metrics_path, self.step)
+            truncate_history(self.run_dir / EVAL_FILE, self.step)
         sink = MultiSink([JsonlSink(metrics_path, append=resume_state is not None),
                           *self.extra_sinks])
         interrupted = False
@@ -339,15 +319,15 @@ class Runtime:
             if resume_state is None and self.recipe.eval.n > 0:
                 m = self._evaluate(ray, 0, eval_only=True)
                 sink.log(0, {**m, "step/eval_only": 1.0})
-            t_start = time.monotonic() - self.counters["wall_time_s"]
+            t_start = time.monotonic() - self.counters.wall_time_s
             while self.step < self.total_steps:
                 if self._sigint:  # a Ctrl-C whose KeyboardInterrupt was lost inside a library
                     raise KeyboardInterrupt
                 metrics = self._one_step(ray)
-                self.counters["wall_time_s"] = time.monotonic() - t_start
+                self.counters.wall_time_s = time.monotonic() - t_start
                 metrics["async/trainer_idle_ratio"] = (
-                    self.counters["wait_time_s"] / max(self.counters["wall_time_s"], 1e-9))
-                metrics["async/wall_time_s"] = self.counters["wall_time_s"]
+                    self.counters.wait_time_s / max(self.counters.wall_time_s, 1e-9))
+                metrics["async/wall_time_s"] = self.counters.wall_time_s
                 sink.log(self.step, metrics)
                 self.step += 1
                 if self.progress is not None:
@@ -410,8 +390,8 @@ class Runtime:
         start = None
         if resume_state is not None:
             start = resume_state.rollouter
-            groups = _read_buffer_file(self.run_dir / CHECKPOINT_DIR / BUFFER_FILE)
-            ids = [g["group_id"] for g in groups] + list(start.regenerate)
+            groups = read_buffer(self.run_dir)
+            ids = [g.group_id for g in groups] + list(start.regenerate)
             ray.get(self.buffer.restore.remote(groups, ids))
         self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
             r, urls, self.buffer, start, version0, control_urls=self.backend.control_urls,
@@ -467,22 +447,22 @@ class Runtime:
             log.warning("%s", line)
         metrics: dict[str, float] = dict(res.metrics)
         c = self.counters
-        c["wait_time_s"] += t1 - t0
-        c["train_time_s"] += t2 - t1
-        c["dropped_stale_samples"] += dropped
+        c.wait_time_s += t1 - t0
+        c.train_time_s += t2 - t1
+        c.dropped_stale_samples += dropped
         samples = [s for g in groups for s in g.samples]
         if res.trained:  # seed 002: a "sample" is a prompt's group, a "trajectory" a response
-            c["stale_trajectories_processed"] += sum(1 for st in staleness if st > 0)
-            c["stale_samples_processed"] += sum(
+            c.stale_trajectories_processed += sum(1 for st in staleness if st > 0)
+            c.stale_samples_processed += sum(
                 1 for g in groups if any(self.step - step_of_version(self.step_start_versions,
                                                               s.min_version) > 0
                                          for s in g.samples))
         if res.trained:
-            c["trained_samples"] += len(samples)
-            c["trained_tokens"] += sum(s.response_len for s in samples)
+            c.trained_samples += len(samples)
+            c.trained_tokens += sum(s.response_len for s in samples)
         else:
-            c["rejected_batches"] += 1
-            c["rejected_samples"] += len(samples)
+            c.rejected_batches += 1
+            c.rejected_samples += len(samples)
             log.warning("step %d: batch rejected: %s", self.step, res.rejected_reason)
         partial = [s for s in samples if s.spans_sync]
         starts = self.step_start_versions
@@ -490,23 +470,23 @@ class Runtime:
                  - step_of_version(starts, min(s.token_versions)) for s in partial]
         metrics.update(staleness_metrics(staleness))
         metrics.update({
-            "async/dropped_stale_samples": c["dropped_stale_samples"],
+            "async/dropped_stale_samples": c.dropped_stale_samples,
             "async/dropped_stale_samples_step": float(dropped),
-            "async/stale_samples_processed": c["stale_samples_processed"],
-            "async/stale_trajectories_processed": c["stale_trajectories_processed"],
+            "async/stale_samples_processed": c.stale_samples_processed,
+            "async/stale_trajectories_processed": c.stale_trajectories_processed,
             "async/partial_ratio": len(partial) / max(len(samples), 1),
             "async/max_partial_span": float(max(spans, default=0)),
-            "async/rejected_batches": c["rejected_batches"],
+            "async/rejected_batches": c.rejected_batches,
             "async/batch_rejected": 0.0 if res.trained else 1.0,
             "async/wait_time_s": t1 - t0,
             "async/train_time_s": t2 - t1,
             "async/trainer_step_time_s": res.time_s,
-            "async/trained_samples": c["trained_samples"],
-            "async/rejected_samples": c["rejected_samples"],
+            "async/trained_samples": c.trained_samples,
+            "async/rejected_samples": c.rejected_samples,
             "async/consumed_samples": float(self.consumed_samples),
         })
         if self.recipe.async_.max_off_policy_steps is not None:
-            metrics["async/dropped_stale_frac"] = dropped_stale_frac(c)
+            metrics["async/dropped_stale_frac"] = c.dropped_stale_frac
         version = res.weight_version
         self.step_start_versions.append(version)
         # seed 004's i advances with every trainer step; dropped samples are credited back
@@ -539,8 +519,8 @@ class Runtime:
             report = self.weights.sync(ray, version, next_step, self.consumed_samples)
         except SyncError as e:
             raise RunError(str(e)) from None
-        self.counters["sync_time_s"] += report.time_s
-        self.counters["sync_wait_s"] += report.wait_s
+        self.counters.sync_time_s += report.time_s
+        self.counters.sync_wait_s += report.wait_s
         return report.metrics
 
     def _evaluate(self, ray: Any, step: int, eval_only: bool = False) -> dict[str, float]:
@@ -548,7 +528,7 @@ class Runtime:
         prompt's reward appended to ``eval.jsonl`` (:mod:`training.evals`; paired gates)."""
         t0 = time.monotonic()
         res: EvalResult = ray.get(self.rollouter.evaluate.remote(self.recipe.eval.n))
-        self.counters["eval_time_s"] += time.monotonic() - t0
+        self.counters.eval_time_s += time.monotonic() - t0
         if res.rewards:
             append_eval(self.run_dir / EVAL_FILE,
                         EvalOutcome(step, eval_only, res.prompts, res.rewards))
@@ -557,31 +537,26 @@ class Runtime:
 
     # --- checkpoint ---------------------------------------------------------------------------
     def _checkpoint(self, ray: Any) -> None:
-        """Trainer state + the weights the engines serve + pipeline state + buffered groups,
-        written to a temporary directory and moved into place (all or nothing)."""
+        """Trainer state + the weights the engines serve + pipeline state + buffered groups, all
+        or nothing (:func:`~training.runtime.checkpoint.write_checkpoint`)."""
         rstate: RolloutState = ray.get(self.rollouter.state.remote())
-        snap = ray.get(self.buffer.snapshot.remote())
         nxt = rstate.next_group_id
-        groups = [g for g in snap["groups"] if g["group_id"] < nxt]  # newer ones: regenerated
-        buffered = {g["group_id"] for g in groups}
-        rstate.regenerate = sorted(set(rstate.regenerate) - buffered)
-        final = self.run_dir / CHECKPOINT_DIR
-        tmp = self.run_dir / f".{CHECKPOINT_DIR}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        ray.get(self.trainer.save.remote(str(tmp / "trainer")))
-        ray.get(self.trainer.export.remote(str(tmp / "hf")))
-        with (tmp / BUFFER_FILE).open("w") as f:
-            for g in groups:
-                f.write(json.dumps(g) + "\n")
+        snap: list[Group] = ray.get(self.buffer.snapshot.remote())
+        groups = [g for g in snap if g.group_id < nxt]  # newer ones: regenerated
+        rstate.regenerate = sorted(set(rstate.regenerate) - {g.group_id for g in groups})
         state = RunState(step=self.step, step_start_versions=list(self.step_start_versions),
                          synced_versions=list(self.weights.synced_versions),
-                         consumed_samples=self.consumed_samples, counters=dict(self.counters),
+                         consumed_samples=self.consumed_samples,
+                         counters=dataclasses.replace(self.counters),
                          rollouter=rstate, init_dir=str(self.init_dir),
-                         recipe_identity=_identity(self.recipe),
+                         recipe_identity=recipe_identity(self.recipe),
                          recipe_hash=recipe_hash(self.recipe), total_steps=self.total_steps)
-        (tmp / RUNTIME_STATE).write_text(json.dumps(state.to_json()))
-        move_into_place(tmp, final)
+
+        def write_engines(tmp: Path) -> None:
+            ray.get(self.trainer.save.remote(str(tmp / "trainer")))
+            ray.get(self.trainer.export.remote(str(tmp / "hf")))
+
+        final = write_checkpoint(self.run_dir, state, groups, write_engines)
         self.weights.checkpointed(ray, final / "hf", self.step_start_versions[-1])
 
     def _restore_counters(self, state: RunState) -> None:
@@ -589,7 +564,7 @@ class Runtime:
         self.step_start_versions = list(state.step_start_versions)
         self._synced_before = list(state.synced_versions)
         self.consumed_samples = state.consumed_samples
-        self.counters.update(state.counters)
+        self.counters = dataclasses.replace(state.counters)
 
     def _shutdown(self) -> None:
         """Stop the actors, the engine processes (by PID) and Ray if this run started it."""
@@ -609,35 +584,6 @@ class Runtime:
             self.backend.stop(None)  # embedded servers are this process's children
 
 
-def _identity(recipe: Recipe) -> str:
-    """The recipe's hash with ``steps`` left out (a resumed run may be extended)."""
-    data = recipe.to_dict()
-    data["steps"] = 1
-    return recipe_hash(recipe_from_dict(data))
-
-
-def _read_buffer_file(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Keep the metric lines of steps before ``step`` (a resumed run recomputes the rest)."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if int(row.get("step", 0)) < step or row.get("step/eval_only"):
-            keep.append(line)
-    # atomic: a kill here must leave the whole old history (the gates read it), never a part
-    atomic_write_text(path, "".join(x + "\n" for x in keep))
-
-
 SUMMARY_KEYS = (
     "rollout/reward_mean", "eval/reward_mean", "eval/n",
     "mismatch/train_rollout/logprob_abs_diff/mean",
@@ -648,7 +594,7 @@ SUMMARY_KEYS = (
 )
 
 
-def _summarise(metrics_path: Path, counters: Mapping[str, float], steps: int) -> dict[str, float]:
+def _summarise(metrics_path: Path, counters: RunCounters, steps: int) -> dict[str, float]:
     """Final figures: last values of the main metrics, max staleness over the run, counters."""
     rows = []
     if metrics_path.is_file():
@@ -667,11 +613,7 @@ def _summarise(metrics_path: Path, counters: Mapping[str, float], steps: int) ->
     ev = [r["eval/reward_mean"] for r in rows if isinstance(r.get("eval/reward_mean"), int | float)]
     if ev:
         out["eval/reward_first"] = float(ev[0])
-    for k, v in counters.items():
-        out[f"run/{k}"] = float(v)
-    wall = counters.get("wall_time_s", 0.0)
-    if wall:
-        out["run/trained_tokens_per_s"] = counters.get("trained_tokens", 0.0) / wall
+    out.update(counters.metrics())
     return out
 
 

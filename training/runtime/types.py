@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import base64
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Group", "RolloutState", "RunState", "Sample"]
+__all__ = ["Group", "RolloutState", "RunCounters", "RunState", "Sample"]
 
 
 @dataclass
@@ -210,6 +210,57 @@ class RolloutState:
 
 
 @dataclass
+class RunCounters:
+    """A run's cumulative counters: persisted in ``runtime.json`` (so a resumed run continues
+    them) and reported as ``run/<name>`` in its summary (:meth:`metrics`).
+
+    Samples (seed 002: a *sample* is a prompt's group, a *trajectory* one response):
+    ``trained_samples`` / ``trained_tokens`` trained on; ``dropped_stale_samples`` discarded as
+    too stale; ``rejected_batches`` / ``rejected_samples`` refused by a batch guard;
+    ``stale_samples_processed`` groups and ``stale_trajectories_processed`` responses trained
+    on with staleness > 0. Seconds: ``wait_time_s`` the trainer waited for data,
+    ``train_time_s`` trained, ``sync_time_s`` / ``sync_wait_s`` spent in and waiting for weight
+    syncs, ``eval_time_s`` evaluating, ``wall_time_s`` the whole loop.
+    """
+
+    dropped_stale_samples: int = 0
+    stale_samples_processed: int = 0
+    stale_trajectories_processed: int = 0
+    rejected_batches: int = 0
+    rejected_samples: int = 0
+    trained_samples: int = 0
+    trained_tokens: int = 0
+    wait_time_s: float = 0.0
+    train_time_s: float = 0.0
+    sync_time_s: float = 0.0
+    sync_wait_s: float = 0.0
+    eval_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    @property
+    def dropped_stale_frac(self) -> float:
+        """Cumulative share of responses dropped as too stale (``max_off_policy_steps``) among
+        those dropped or trained on: dropped ÷ (dropped + trained); 0 before either."""
+        total = self.dropped_stale_samples + self.trained_samples
+        return self.dropped_stale_samples / total if total else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """``run/<counter>`` for every counter, and ``run/trained_tokens_per_s`` once the loop
+        has run."""
+        out = {f"run/{k}": float(v) for k, v in asdict(self).items()}
+        if self.wall_time_s:
+            out["run/trained_tokens_per_s"] = self.trained_tokens / self.wall_time_s
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunCounters:
+        """Read the ``counters`` of a ``runtime.json`` (names it lacks start at 0)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        return cls(**{k: (int(float(v)) if kinds[k] == "int" else float(v))
+                      for k, v in data.items() if k in kinds})
+
+
+@dataclass
 class RunState:
     """A run's resume state at a checkpoint (``checkpoint/runtime.json``).
 
@@ -219,7 +270,7 @@ class RunState:
     synced_versions: versions the engines were given (the trainer keeps snapshots of those that
         buffered samples may carry).
     consumed_samples: samples taken from the buffer (the staleness controller's count).
-    counters: the run's ``run/*`` counters.
+    counters: :class:`RunCounters`.
     rollouter: :class:`RolloutState`.
     init_dir: the HF directory the run started from (the warm start or the given checkpoint).
     recipe_identity: the recipe's hash without ``steps`` (a resume must match it);
@@ -230,7 +281,7 @@ class RunState:
     step_start_versions: list[int]
     synced_versions: list[int]
     consumed_samples: int
-    counters: dict[str, float]
+    counters: RunCounters
     rollouter: RolloutState
     init_dir: str
     recipe_identity: str
@@ -247,7 +298,7 @@ class RunState:
                    step_start_versions=[int(v) for v in data["step_start_versions"]],
                    synced_versions=[int(v) for v in data.get("synced_versions", [])],
                    consumed_samples=int(data["consumed_samples"]),
-                   counters={str(k): float(v) for k, v in data["counters"].items()},
+                   counters=RunCounters.from_json(data["counters"]),
                    rollouter=RolloutState.from_json(data["rollouter"]),
                    init_dir=str(data["init_dir"]), recipe_identity=str(data["recipe_identity"]),
                    recipe_hash=str(data.get("recipe_hash", "")),

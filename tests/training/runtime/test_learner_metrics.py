@@ -2,6 +2,8 @@
 exactness flag, measured per-source IS ratios, M2 tails and the gradient-variance proxies — each
 checked against values computed by hand from the step's tensors."""
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -13,8 +15,7 @@ from training.engines.model import ModelConfig
 from training.engines.train import OptimConfig, TokenBatch
 from training.recipe import Recipe
 from training.runtime.learner import Learner
-from training.runtime.run import dropped_stale_frac
-from training.runtime.types import Group, Sample
+from training.runtime.types import Group, RunCounters, Sample
 
 V = 100
 TR, EN = "mismatch/train_rollout/", "mismatch/engine/"
@@ -235,9 +236,22 @@ def test_proxies_use_the_applied_is_weights():
 
 
 def test_dropped_stale_frac_is_cumulative_share_of_responses():
-    assert dropped_stale_frac({"dropped_stale_samples": 0, "trained_samples": 0}) == 0.0
-    assert dropped_stale_frac({"dropped_stale_samples": 3, "trained_samples": 9}) == 0.25
-    assert dropped_stale_frac({"dropped_stale_samples": 2.0, "trained_samples": 0.0}) == 1.0
+    assert RunCounters().dropped_stale_frac == 0.0
+    assert RunCounters(dropped_stale_samples=3, trained_samples=9).dropped_stale_frac == 0.25
+    assert RunCounters(dropped_stale_samples=2).dropped_stale_frac == 1.0
+
+
+def test_run_counters_round_trip_and_report_as_run_metrics():
+    c = RunCounters(trained_samples=48, trained_tokens=600, wall_time_s=12.0)
+    again = RunCounters.from_json(json.loads(json.dumps(dataclasses.asdict(c))))
+    assert again == c and isinstance(again.trained_samples, int)
+    m = c.metrics()
+    assert m["run/trained_samples"] == 48.0 and m["run/trained_tokens_per_s"] == 50.0
+    assert set(m) == {f"run/{f.name}" for f in dataclasses.fields(c)} | {
+        "run/trained_tokens_per_s"}
+    # a runtime.json written before a counter existed: it starts at 0; floats read as written
+    old = RunCounters.from_json({"trained_samples": 16.0, "wall_time_s": 3})
+    assert old.trained_samples == 16 and old.wall_time_s == 3.0 and old.sync_wait_s == 0.0
 
 
 def test_update_size_is_the_start_weights_against_the_new_ones_on_the_trained_tokens():
