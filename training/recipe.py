@@ -77,8 +77,10 @@ from training.yamlfile import (
 
 __all__ = [
     "NAME_PATTERN",
+    "OLD_LOGPROB_STRATEGIES",
     "AlgorithmConfig",
     "AsyncConfig",
+    "OldLogprob",
     "Recipe",
     "RecipeError",
     "apply_overrides",
@@ -847,8 +849,10 @@ class TurnSpec(_Strict):
         "aggregates (turn-level ratio isolation: one turn's mismatch does not weigh the others)."))
 
 
-OLD_LOGPROB_STRATEGIES = ("recompute", "snapshot", "dedicated", "interrupt", "ewma",
-                          "loglinear", "linear_prox", "bypass")
+OldLogprob = Literal["recompute", "snapshot", "dedicated", "interrupt", "ewma", "loglinear",
+                     "linear_prox", "bypass"]
+"""An ``algorithm.old_logprob`` strategy (the semantics of each: training.runtime.old_policy)."""
+OLD_LOGPROB_STRATEGIES: tuple[OldLogprob, ...] = typing.get_args(OldLogprob)
 # what each strategy's π_old is (seed 003): the meaning downstream code asks AlgorithmConfig for
 # the trainer at each token's own version
 _OLD_EXACT = frozenset({"snapshot", "dedicated", "interrupt"})
@@ -862,8 +866,7 @@ class AlgorithmConfig(_Strict):
         "Advantage estimator and its settings."))
     loss: LossSpec = Field(default_factory=LossSpec, description=(
         "Policy loss, aggregation and clipping."))
-    old_logprob: Literal["recompute", "snapshot", "dedicated", "interrupt", "ewma",
-                         "loglinear", "linear_prox", "bypass"] = Field(
+    old_logprob: OldLogprob = Field(
         "snapshot", description=(
             "Where π_old and the PPO clip centre π_prox come from (seed 003): recompute = both "
             "the trainer weights the step starts from; snapshot = π_old exact (the trainer "
@@ -917,8 +920,11 @@ class AlgorithmConfig(_Strict):
         return self
 
     @property
-    def effective_old_logprob(self) -> str:
-        """The strategy the learner runs: a bypass rollout-correction preset forces bypass."""
+    def effective_old_logprob(self) -> OldLogprob:
+        """The strategy the learner runs, decided here only (the learner's
+        :func:`training.runtime.old_policy.old_policy` builds it): ``old_logprob``, except that a
+        bypass rollout-correction preset forces bypass (every ``bypass_*`` preset, and only
+        those, sets ``bypass_mode``)."""
         c = self.correction
         if isinstance(c, PresetCorrection) and c.name.startswith("bypass_"):
             return "bypass"

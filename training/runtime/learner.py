@@ -13,44 +13,14 @@ model once). One :meth:`Learner.step`:
    sample's last version), and the rewards.
 3. **π_current**: the trainer's log-probs at the weights the step starts from (routing ``r3`` for
    R3, else free; for R2 this free forward records the routes that later mini-batches replay).
-4. **π_prox and π_old** by ``algorithm.old_logprob`` (seed 003; seed 001's notation):
-
-   ==========  ======================================  =======================================
-   strategy    π_prox (trust-region centre)            π_old (trainer at the behaviour version)
-   ==========  ======================================  =======================================
-   recompute   π_current                               π_current (staleness + engine mismatch
-                                                       land in one ratio: the missing-old-logit
-                                                       case)
-   snapshot    π_current                               exact: each token under the retained
-                                                       version that produced it; tokens of an
-                                                       evicted version fall back to π_current
-                                                       (``old/snapshot_fallback_frac``)
-   ewma        π_old (seed 003 §5.2: the EWMA          the revised PPO-EWMA reference: an EWMA
-               replaces the unavailable old policy     of the *parameters*, β = W/(W+2), reset
-               for the staleness correction — the      by interval or by the train–inference
-               clip — and the discrepancy repair)      mask rate (``old/ewma_mask_frac``)
-   dedicated   π_current                               exact: each token under a separate
-                                                       frozen model copy loaded with every
-                                                       version synced to the rollout engines
-                                                       (the newest ``dedicated_versions``);
-                                                       tokens of a version it no longer holds
-                                                       fall back to π_current
-                                                       (``old/dedicated_fallback_frac``)
-   interrupt   π_current                               exact: each token under its own
-                                                       version, computed by the rollouter
-                                                       before that version left the engines
-                                                       (``Sample.old_log_probs``); a sample
-                                                       without them falls back to π_current
-                                                       (``old/interrupt_fallback_frac``)
-   loglinear   A-3PO: log μ + α (log π_current −      μ (so r2 ≡ 1 and r3 = π_prox/μ is the
-               log μ), α = (v_θ−1−v_b)/(v_θ−v_b)      decoupled behaviour weight)
-   linear_prox AReaL: log((1−α) μ + α π_current),     μ (as loglinear)
-               the same α, in probability space
-   bypass      μ                                       μ
-   ==========  ======================================  =======================================
-
-   A bypass rollout-correction preset forces the bypass strategy (π_prox = π_old = μ); the
-   ``decoupled_mis`` correction sets π_prox := π_old (:func:`proximal_and_old`).
+4. **π_prox and π_old** by the run's :class:`~training.runtime.old_policy.OldPolicy`, the object
+   of the ``algorithm.old_logprob`` strategy built once by
+   :func:`~training.runtime.old_policy.old_policy` from the recipe's
+   :attr:`~training.recipe.AlgorithmConfig.effective_old_logprob` (a bypass rollout-correction
+   preset forces bypass: π_prox = π_old = μ). :mod:`training.runtime.old_policy` gives each
+   strategy's π_prox and π_old (recompute, snapshot, dedicated, interrupt, ewma, loglinear,
+   linear_prox, bypass); the ``decoupled_mis`` correction sets π_prox := π_old
+   (:func:`~training.runtime.old_policy.proximal_and_old`).
 5. **Rewards**: the scalar reward sits on the last loss token of the response; with
    ``kl.mode: in_reward`` the token reward loses β·KL(π_old ‖ π_ref) per token (fixed β, or the
    adaptive controller when ``kl.target`` is set). ``kl.mode: in_loss`` leaves the reward alone:
@@ -70,15 +40,16 @@ model once). One :meth:`Learner.step`:
 8. **Trains**: for each epoch, one ``train_step`` per mini-batch of consecutive groups
    (``async.require_batches`` mini-batches; the last takes the remainder), with
    ``old_log_prob = π_prox`` and the run's :class:`~training.engines.train.StepConfig`
-   (:func:`step_config`, built once); R2 replays the routes of the step's start version. The
-   reactive guards (``optim.vcpo``, ``optim.length_surge_guard``,
-   :mod:`training.algorithms.guards`) set the ``lr_scale`` of the step's optimizer steps first:
-   VCPO's ESS of the applied IS weights (else of π_current/μ), and the length-surge halving from
-   the batch's mean response length; a halving is a line in :attr:`StepResult.events` (the run
-   logs it) and its state is :meth:`Learner.state_dict`, kept in the trainer checkpoint.
-   Routing: ``Recipe.routing_replay`` (``auto`` resolved there).
+   (:func:`build_step`, built once with the rest of the step's settings); R2 replays the routes
+   of the step's start version. The reactive guards (``optim.vcpo``,
+   ``optim.length_surge_guard``, :mod:`training.algorithms.guards`) set the ``lr_scale`` of the
+   step's optimizer steps first: VCPO's ESS of the applied IS weights (else of π_current/μ), and
+   the length-surge halving from the batch's mean response length; a halving is a line in
+   :attr:`StepResult.events` (the run logs it) and its state is :meth:`Learner.state_dict`, kept
+   in the trainer checkpoint. Routing: ``Recipe.routing_replay`` (``auto`` resolved there).
 9. **Metrics**: one flat dict of floats (DESIGN.md "Metrics"), see :meth:`Learner.step`.
-10. **EWMA** (``ewma`` only): the reference is updated with the new parameters.
+10. **The strategy's own update** (:meth:`~training.runtime.old_policy.OldPolicy.after_step`;
+    ``ewma``: the reference takes the new parameters).
 
 Definitions used in the metrics:
 
@@ -95,7 +66,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,15 +83,10 @@ from training.algorithms.diagnostics import compute_mismatch_metrics, variance_p
 from training.algorithms.guards import LengthSurgeGuard, vcpo_lr_scale
 from training.algorithms.is_correction import (
     CompISConfig,
-    EWMAConfig,
-    EWMAState,
     SourceCorrection,
     applied_weight_metrics,
     compute_compis_weights,
     compute_is_correction,
-    ewma_update,
-    linear_proximal_log_prob,
-    loglinear_proximal_log_prob,
 )
 from training.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from training.algorithms.masked import masked_mean, sanitize, tail_stats
@@ -134,7 +99,6 @@ from training.algorithms.rollout_correction import (
 )
 from training.engines.train import (
     OptimConfig,
-    SnapshotUnavailableError,
     StepConfig,
     TokenBatch,
     TrainEngine,
@@ -149,19 +113,19 @@ from training.recipe import (
     Recipe,
     SourceSpec,
 )
+from training.runtime.old_policy import OldPolicy, forward_routing, old_policy
 from training.runtime.types import Group, Sample
 
 __all__ = [
     "AppliedCorrection",
     "Learner",
+    "StepPlan",
     "StepResult",
     "apply_correction",
+    "build_step",
     "engine_optim_config",
-    "ewma_staleness_window",
     "policy_loss_config",
-    "proximal_and_old",
     "repetition_rate",
-    "step_config",
 ]
 
 log = logging.getLogger("asyncrl.runtime")
@@ -218,7 +182,8 @@ class _Packed:
 
 @dataclass
 class _Policies:
-    """Log-probs of the step, (B, T) each."""
+    """Log-probs of the step, (B, T) each; ``exact``, ``extra`` and ``metrics`` are the old
+    policy's (:class:`~training.runtime.old_policy.OldEstimate`)."""
 
     current: torch.Tensor
     entropy: torch.Tensor
@@ -226,6 +191,7 @@ class _Policies:
     old: torch.Tensor
     extra: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    exact: torch.Tensor | None = None
 
 
 @dataclass
@@ -235,16 +201,6 @@ class _Correction:
     weights: torch.Tensor | None
     keep: torch.Tensor
     metrics: dict[str, float]
-
-
-def ewma_staleness_window(recipe: Recipe) -> float:
-    """Expected staleness W of the revised PPO-EWMA reference, in trainer steps.
-
-    ``algorithm.ewma.staleness_window`` when set; else from the async mode: sync 0, one_step 1,
-    fully_async (1 + staleness_threshold) · trigger_parameter_sync_step.
-    """
-    explicit = recipe.algorithm.ewma.staleness_window
-    return float(explicit) if explicit is not None else recipe.async_.ewma_window
 
 
 def engine_optim_config(recipe: Recipe) -> OptimConfig:
@@ -274,33 +230,62 @@ def policy_loss_config(recipe: Recipe,
                             dro_beta=loss.dro_beta, rollout_correction=rollout_correction)
 
 
-def _correction_preset(recipe: Recipe) -> RolloutCorrectionConfig | None:
-    """The :class:`RolloutCorrectionConfig` of a ``{kind: preset}`` correction, else None."""
-    correction = recipe.algorithm.correction
-    if correction.kind != "preset":
-        return None
-    return PRESETS[correction.name](**correction.args)
+@dataclass(frozen=True)
+class StepPlan:
+    """What every trainer step of a run takes from the recipe, built once (:func:`build_step`).
+
+    config: the engine :class:`StepConfig` of every ``train_step``.
+    correction: ``algorithm.correction``.
+    preset: the built :class:`RolloutCorrectionConfig` of a ``{kind: preset}`` correction, else
+        None.
+    forward_routing: routing of the no-grad forwards (``r3`` for R3, else ``free``).
+    replay: ``Recipe.routing_replay`` (``auto`` resolved).
+    """
+
+    config: StepConfig
+    correction: CorrectionSpec
+    preset: RolloutCorrectionConfig | None
+    forward_routing: str
+    replay: str
+
+    @property
+    def loss(self) -> PolicyLossConfig:
+        """The policy-loss config the steps train with (a bypass preset's in ``bypass_mode``)."""
+        return self.config.loss_config
 
 
-def step_config(recipe: Recipe) -> StepConfig:
-    """The engine :class:`StepConfig` of every ``train_step`` of a run: the recipe's loss (a
-    bypass rollout-correction preset switches it to ``bypass_mode`` with the preset's IS/RS
-    settings), the train routing of ``Recipe.routing_replay`` (``auto`` resolved),
-    ``rollout.temperature``, ``optim.micro_batch_size``, the loss's ``entropy_coeff`` and, with
-    ``algorithm.kl.mode: in_loss``, the KL loss term (estimator, β, IS correction)."""
+def build_step(recipe: Recipe) -> StepPlan:
+    """The :class:`StepPlan` of a recipe. The step config: the recipe's loss (a bypass
+    rollout-correction preset switches it to ``bypass_mode`` with the preset's IS/RS settings),
+    the train routing of ``Recipe.routing_replay`` (``auto`` resolved), ``rollout.temperature``,
+    ``optim.micro_batch_size``, the loss's ``entropy_coeff`` and, with ``algorithm.kl.mode:
+    in_loss``, the KL loss term (estimator, β, IS correction).
+
+    Raises:
+        ValueError: ``algorithm.loss.name: bypass_mode`` without a bypass preset.
+    """
     alg = recipe.algorithm
-    preset = _correction_preset(recipe)
+    correction = alg.correction
+    preset = (PRESETS[correction.name](**correction.args)
+              if isinstance(correction, PresetCorrection) else None)
+    bypass = preset is not None and preset.bypass_mode
+    if alg.loss.name == "bypass_mode" and not bypass:
+        raise ValueError("algorithm.loss.name=bypass_mode takes its IS/RS settings from a "
+                         "bypass rollout-correction preset: set algorithm.correction to "
+                         "{kind: preset, name: bypass_ppo_clip} (or another bypass_* preset)")
     loss_name, loss_cfg = alg.loss.name, policy_loss_config(recipe)
-    if preset is not None and preset.bypass_mode:  # bypass_mode computes IS/RS between π_θ and μ
+    if bypass:  # bypass_mode computes IS/RS between π_θ and μ
         loss_name, loss_cfg = "bypass_mode", policy_loss_config(recipe, preset)
-    return StepConfig(loss_name=loss_name, loss_config=loss_cfg,
-                      routing={"r3": "r3", "r2": "r2"}.get(recipe.routing_replay, "free"),
-                      temperature=recipe.rollout.temperature,
-                      micro_batch_size=recipe.optim.micro_batch_size,
-                      entropy_coeff=alg.loss.entropy_coeff,
-                      kl_estimator=alg.kl.estimator if alg.kl.mode == "in_loss" else None,
-                      kl_coef=alg.kl.coef if alg.kl.mode == "in_loss" else 0.0,
-                      kl_is_correction=alg.kl.is_correction)
+    replay = recipe.routing_replay
+    config = StepConfig(loss_name=loss_name, loss_config=loss_cfg,
+                        routing={"r3": "r3", "r2": "r2"}.get(replay, "free"),
+                        temperature=recipe.rollout.temperature,
+                        micro_batch_size=recipe.optim.micro_batch_size,
+                        entropy_coeff=alg.loss.entropy_coeff,
+                        kl_estimator=alg.kl.estimator if alg.kl.mode == "in_loss" else None,
+                        kl_coef=alg.kl.coef if alg.kl.mode == "in_loss" else 0.0,
+                        kl_is_correction=alg.kl.is_correction)
+    return StepPlan(config, correction, preset, forward_routing(recipe), replay)
 
 
 def repetition_rate(responses: Sequence[Sequence[int]], n: int = REPETITION_NGRAM) -> float:
@@ -447,44 +432,8 @@ def _mean_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Which policies and weights a strategy and a correction give (pure; tested on hand-built tensors)
+# Which weights a correction gives (pure; tested on hand-built tensors)
 # ------------------------------------------------------------------------------------------------
-
-
-def proximal_and_old(strategy: str, correction_kind: str, current: torch.Tensor,
-                     mu: torch.Tensor, reference: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(π_prox, π_old) of an old-log-prob strategy and a correction kind (module docstring).
-
-    Args:
-        strategy: ``recompute``, ``snapshot``, ``dedicated``, ``interrupt``, ``ewma``,
-            ``loglinear``, ``linear_prox`` or ``bypass``.
-        correction_kind: ``algorithm.correction.kind``; ``decoupled_mis`` centres the PPO clip at
-            π_old (seed 003 Eq. 4), every other kind keeps the strategy's π_prox.
-        current: (B, T) π_current. mu: (B, T) rollout log-probs.
-        reference: (B, T) the strategy's own policy: the exact per-token π_old (snapshot,
-            dedicated, interrupt), the EWMA reference (ewma), the interpolated proximal policy
-            (loglinear, linear_prox); unused otherwise.
-    """
-    if strategy in ("snapshot", "dedicated", "interrupt", "ewma", "loglinear", "linear_prox") \
-            and reference is None:
-        raise ValueError(f"old_logprob {strategy} needs its reference log-probs")
-    if strategy == "recompute":
-        prox, old = current, current
-    elif strategy in ("snapshot", "dedicated", "interrupt"):
-        prox, old = current, reference
-    elif strategy == "ewma":  # seed 003 §5.2: the EWMA replaces π_old for both ratios
-        prox, old = reference, reference
-    elif strategy in ("loglinear", "linear_prox"):
-        prox, old = reference, mu
-    elif strategy == "bypass":
-        prox, old = mu, mu
-    else:
-        raise ValueError(f"unknown old_logprob strategy {strategy!r}")
-    assert prox is not None and old is not None
-    if correction_kind == "decoupled_mis":
-        prox = old
-    return prox, old
 
 
 @dataclass(frozen=True)
@@ -601,20 +550,8 @@ class Learner:
         self.recipe = recipe
         self.pad_token_id = int(pad_token_id)
         self.keep_tensors = bool(keep_tensors)
-        self._version_to_step: Callable[[int], int] | None = None
-        self._current_step = 0
         alg = recipe.algorithm
-        self._preset = _correction_preset(recipe)
-        self.bypass_preset = self._preset is not None and self._preset.bypass_mode
-        self.old_strategy = "bypass" if self.bypass_preset else alg.old_logprob
-        self._dedicated: TrainEngine | None = None
-        if self.old_strategy == "dedicated":
-            self._dedicated = self._load_dedicated(recipe)
-        if alg.loss.name == "bypass_mode" and not self.bypass_preset:
-            raise ValueError("algorithm.loss.name=bypass_mode takes its IS/RS settings from a "
-                             "bypass rollout-correction preset: set algorithm.correction to "
-                             "{kind: preset, name: bypass_ppo_clip} (or another bypass_* preset)")
-        self.step_config = step_config(recipe)
+        self.plan = build_step(recipe)
         self._kl_ctrl: FixedKLController | AdaptiveKLController | None = None
         self._reference: TrainEngine | None = None
         if alg.kl.mode == "in_reward":
@@ -625,12 +562,7 @@ class Learner:
         surge = recipe.optim.length_surge_guard
         self.length_guard = None if surge is None else LengthSurgeGuard(
             surge.ratio, surge.window_steps, surge.factor, surge.max_halvings)
-        self.ewma_config: EWMAConfig | None = None
-        self.ewma_state: EWMAState | None = None
-        self.ewma_resets = 0
-        self._ewma_on_engine = False
-        if self.old_strategy == "ewma":
-            self._init_ewma()
+        self.old_policy: OldPolicy = old_policy(recipe, engine)
 
     # --- set-up ---------------------------------------------------------------------------------
     @staticmethod
@@ -641,61 +573,22 @@ class Learner:
 
         return make_reference_engine(recipe, reference_dir)
 
-    def _load_dedicated(self, recipe: Recipe) -> TrainEngine:
-        """The dedicated old-logit model (seed 003 §5.1): a second frozen engine on the
-        trainer's backend and dtype, at the trainer's current weights and version
-        (:func:`training.engines.factory.make_old_logit_engine`)."""
-        from training.engines.factory import make_old_logit_engine
-
-        return make_old_logit_engine(recipe, self.engine)
-
     def weights_synced(self, version: int, referenced: Sequence[int]) -> None:
-        """The trainer's current weights went to the rollout engines as ``version``: the
-        dedicated old-logit model loads them and forgets the held versions that no buffered
-        sample can carry any more (``referenced``: the synced versions still referenced). No-op
-        for the other strategies."""
-        if self._dedicated is None:
-            return
-        assert self.engine.weight_version == version, (
-            f"synced version {version} is not the trainer's current {self.engine.weight_version}")
-        if version > self._dedicated.weight_version:
-            self._dedicated.load_version(self._engine_params(), version)  # type: ignore
-        keep = set(referenced) | {version}
-        drop = [v for v in self._dedicated.snapshot_versions() if v not in keep]
-        if drop:
-            self._dedicated.drop_snapshots(drop)  # type: ignore[attr-defined]
-
-    def _init_ewma(self) -> None:
-        # the reference lives here (engines exposing their parameters: the embedded trainer) or
-        # on the engine's ranks, each averaging its own shard (the Megatron engine: ewma_update
-        # + compute_log_probs_ewma); the update rule is the same function either way
-        self._ewma_on_engine = hasattr(self.engine, "ewma_update") \
-            and hasattr(self.engine, "compute_log_probs_ewma")
-        if not self._ewma_on_engine and not (
-                hasattr(self.engine, "model")
-                and hasattr(self.engine, "compute_log_probs_with_weights")):
-            raise ValueError("old_logprob: ewma needs an engine that exposes its parameters and "
-                             "compute_log_probs_with_weights, or keeps the reference itself "
-                             "(ewma_update); use snapshot or recompute with this backend")
-        ewma = self.recipe.algorithm.ewma
-        self.ewma_config = EWMAConfig(staleness_window=ewma_staleness_window(self.recipe),
-                                      reset_interval=ewma.reset_interval,
-                                      reset_mask_frac=ewma.reset_mask_frac)
-        self.ewma_state = self._ewma_step(None, None)
-
-    def _engine_params(self) -> dict[str, torch.Tensor]:
-        model = self.engine.model  # type: ignore[attr-defined]
-        return {n: p.detach().cpu() for n, p in model.named_parameters()}
+        """The trainer's current weights went to the rollout engines as ``version``
+        (``referenced``: the synced versions still referenced): the dedicated old-logit model
+        loads them and forgets the rest (:meth:`OldPolicy.weights_synced`; no-op for the other
+        strategies)."""
+        self.old_policy.weights_synced(version, referenced)
 
     # --- routing ----------------------------------------------------------------------------------
     @property
     def _replay(self) -> str:
-        return self.recipe.routing_replay
+        return self.plan.replay
 
     @property
     def _forward_routing(self) -> str:
         """Routing of the no-grad forwards: rollout routes for R3, the router's own otherwise."""
-        return "r3" if self._replay == "r3" else "free"
+        return self.plan.forward_routing
 
     def _is_moe(self) -> bool:
         cfg = getattr(self.engine, "config", None)
@@ -734,8 +627,6 @@ class Learner:
         Raises:
             ValueError: fewer groups than mini-batches.
         """
-        self._version_to_step = version_to_step
-        self._current_step = int(step)
         self._sum_pi_squared: torch.Tensor | None = None
         row_groups = _minibatch_groups(len(groups), self.recipe.async_.require_batches)
         samples = [s for g in groups for s in g.samples]
@@ -744,7 +635,7 @@ class Learner:
             return self._reject(reason, samples, step)
         packed = self._pack(groups, row_groups)
         start_version = self.engine.weight_version
-        policies = self._policies(packed)
+        policies = self._policies(packed, int(step), version_to_step)
         ref = self._reference_log_probs(packed)
         trainer_lps = {"current": policies.current, "old": policies.old,
                        **({} if ref is None else {"reference": ref})}
@@ -778,15 +669,12 @@ class Learner:
         train_metrics = self._train(packed, policies.proximal, advantages, correction,
                                     start_version, ref=ref, lr_scale=lr_scale)
         trained = train_metrics.get("train/skipped_step", 0.0) < 1.0
-        if self.ewma_state is not None and trained:
-            metrics.update(self._update_ewma(correction.metrics))
-        elif self.ewma_state is not None:
-            metrics.update(self._ewma_metrics())
+        metrics.update(self.old_policy.after_step(trained, correction.metrics))
 
         if trained:
             metrics.update(self._update_size(packed, policies))
         # measured first, so the correction's applied versions of the same keys win
-        metrics.update(self._diagnostics(packed, policies, start_version))
+        metrics.update(self._diagnostics(packed, policies))
         metrics.update(policies.metrics)
         metrics.update(self._held_bytes_metrics())
         metrics.update(adv_metrics)
@@ -845,216 +733,34 @@ class Learner:
                        turns=_turn_tensor(samples, shape))
 
     # --- π_current, π_prox, π_old ---------------------------------------------------------------
-    def _policies(self, packed: _Packed) -> _Policies:
-        """π_current (one forward at the step's start weights), then π_prox / π_old."""
+    def _policies(self, packed: _Packed, step: int,
+                  version_to_step: Callable[[int], int] | None) -> _Policies:
+        """π_current (one forward at the step's start weights), then π_prox / π_old from the
+        run's :class:`~training.runtime.old_policy.OldPolicy`."""
         res = self.engine.compute_log_probs(
             packed.batch, routing=self._forward_routing,
             temperature=self.recipe.rollout.temperature, with_entropy=True)
         self._sum_pi_squared = res.sum_pi_squared  # the variance proxies' W (_proxy_metrics)
         current = res.log_probs
         entropy = res.entropy if res.entropy is not None else torch.zeros_like(current)
-        mu = packed.rollout_log_prob
-        strategy = self.old_strategy
-        reference: torch.Tensor | None = None
-        extra: dict[str, torch.Tensor] = {}
-        metrics: dict[str, float] = {}
-        if strategy in ("loglinear", "linear_prox"):
-            # A-3PO / AReaL interpolate in policy versions = trainer steps (one step may hold
-            # several optimizer steps): map weight versions to steps when the caller told us how
-            v2s = self._version_to_step
-            if v2s is not None:
-                behav = packed.token_versions.clone()
-                for v in torch.unique(packed.token_versions).tolist():
-                    behav[packed.token_versions == v] = v2s(int(v))
-                cur_v = self._current_step
-            else:
-                behav, cur_v = packed.token_versions, self.engine.weight_version
-            interpolate = (loglinear_proximal_log_prob if strategy == "loglinear"
-                           else linear_proximal_log_prob)
-            reference, alpha = interpolate(mu, current, behav, cur_v, packed.batch.response_mask)
-            metrics = {"old/loglinear_alpha_mean":
-                       float(masked_mean(alpha, packed.batch.response_mask))}
-            extra = {"loglinear_alpha": alpha}
-        elif strategy == "snapshot":
-            reference, fallback, metrics = self._snapshot_old(packed, current)
-            extra = {"snapshot_fallback_mask": fallback}
-        elif strategy == "dedicated":
-            reference, fallback, metrics = self._dedicated_old(packed, current)
-            extra = {"dedicated_fallback_mask": fallback}
-        elif strategy == "interrupt":
-            reference, fallback, metrics = self._interrupt_old(packed, current)
-            extra = {"interrupt_fallback_mask": fallback}
-        elif strategy == "ewma":
-            reference = self._ewma_old(packed)
-        prox, old = proximal_and_old(strategy, self.recipe.algorithm.correction.kind, current,
-                                     mu, reference)
-        return _Policies(current, entropy, prox, old, extra, metrics)
-
-    def _snapshot_old(self, packed: _Packed, current: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Exact π_old: each loss token under the version that produced it (seed 003 snapshots).
-
-        Tokens of the current version take π_current (same weights). Tokens whose version the
-        engine no longer retains fall back to π_current. Returns (π_old (B, T), fallback mask
-        (B, T), ``old/snapshot_fallback_frac`` = fallback tokens / loss tokens).
-        """
-        mask = packed.batch.response_mask
-        versions = packed.token_versions
-        now = self.engine.weight_version
-        stale = mask & (versions != now)
-        retained = torch.tensor(sorted(self.engine.snapshot_versions()), dtype=torch.long)
-        missing = stale & ~torch.isin(versions, retained)
-        ask = stale & ~missing
-        old = current.clone()
-        try:
-            old = self._log_probs_at_versions(self.engine, packed, ask, current)
-        except SnapshotUnavailableError as e:
-            log.warning("snapshot old log-probs unavailable (%s); using the current weights", e)
-            missing = stale
-        n_missing = int(missing.sum())
-        frac = n_missing / max(int(mask.sum()), 1)
-        if n_missing:
-            gone = sorted(set(versions[missing].tolist()))
-            log.warning("old_logprob snapshot: versions %s are not retained by the trainer; %d "
-                        "loss tokens (%.1f%%) fall back to the current weights (raise "
-                        "engines.snapshot_budget_mb)", gone, n_missing, 100 * frac)
-        return old, missing, {"old/snapshot_fallback_frac": frac}
-
-    def _log_probs_at_versions(self, engine: TrainEngine, packed: _Packed, ask: torch.Tensor,
-                               current: torch.Tensor) -> torch.Tensor:
-        """(B, T) ``current`` with the ``ask`` tokens replaced by ``engine``'s log-probs under
-        each token's own version (one forward per distinct version over the rows asking)."""
-        old = current.clone()
-        if not bool(ask.any()):
-            return old
-        versions = packed.token_versions
-        rows = ask.any(dim=1).nonzero().reshape(-1)
-        # tokens not asked for get an asked version: their values are discarded
-        filler = int(versions[ask][0])
-        sub_versions = torch.where(ask[rows], versions[rows],
-                                   torch.full_like(versions[rows], filler))
-        res = engine.compute_log_probs(
-            packed.batch.select(rows), routing=self._forward_routing, version=sub_versions,
-            temperature=self.recipe.rollout.temperature, with_entropy=False)
-        old[rows] = torch.where(ask[rows], res.log_probs, old[rows])
-        return old
-
-    def _dedicated_old(self, packed: _Packed, current: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Exact π_old from the dedicated old-logit model (seed 003 §5.1): each loss token under
-        the synced version that produced it, computed by the model copy that holds it. Tokens of
-        a version it no longer holds (a staleness beyond ``algorithm.dedicated_versions`` synced
-        versions, or from before a resume) fall back to π_current, as snapshot's do.
-
-        Runs in the trainer's process before the update (no overlap with training on the
-        embedded backend). Returns (π_old (B, T), fallback mask (B, T), metrics
-        ``old/dedicated_fallback_frac`` (fallback tokens / loss tokens),
-        ``old/dedicated_versions`` (versions held), ``old/dedicated_bytes`` (bytes of every
-        parameter copy the model holds) and ``old/dedicated_s`` (seconds of its forwards)).
-        """
-        assert self._dedicated is not None
-        t0 = time.perf_counter()
-        mask = packed.batch.response_mask
-        versions = packed.token_versions
-        held = [*self._dedicated.snapshot_versions(), self._dedicated.weight_version]
-        ask = mask & torch.isin(versions, torch.tensor(held, dtype=torch.long))
-        missing = mask & ~ask
-        old = self._log_probs_at_versions(self._dedicated, packed, ask, current)
-        n_missing = int(missing.sum())
-        frac = n_missing / max(int(mask.sum()), 1)
-        if n_missing:
-            gone = sorted(set(versions[missing].tolist()))
-            log.warning("old_logprob dedicated: versions %s are not held by the old-logit model "
-                        "(it holds %s); %d loss tokens (%.1f%%) fall back to the current weights "
-                        "(raise algorithm.dedicated_versions)", gone, held, n_missing, 100 * frac)
-        return old, missing, {
-            "old/dedicated_fallback_frac": frac,
-            "old/dedicated_versions": float(len(held)),
-            "old/dedicated_bytes": float(self._dedicated.parameter_bytes()),  # type: ignore
-            "old/dedicated_s": time.perf_counter() - t0}
-
-    @staticmethod
-    def _interrupt_old(packed: _Packed, current: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Exact π_old carried by the samples (``old_logprob: interrupt``: the rollouter
-        computed each token's log-prob under its own version before that version left the
-        engines). A sample without them (its ``old_log_probs`` do not cover its response: not
-        expected) falls back to π_current. Returns (π_old (B, T), fallback mask (B, T),
-        ``old/interrupt_fallback_frac`` = fallback loss tokens / loss tokens)."""
-        mask = packed.batch.response_mask
-        old = current.clone()
-        missing = torch.zeros_like(mask)
-        for i, s in enumerate(packed.samples):
-            o = s.response_len
-            if len(s.old_log_probs) == o:
-                old[i, :o] = torch.tensor(s.old_log_probs, dtype=old.dtype)
-            else:
-                missing[i] = mask[i]
-        n_missing = int(missing.sum())
-        frac = n_missing / max(int(mask.sum()), 1)
-        if n_missing:
-            log.warning("old_logprob interrupt: %d samples came without π_old; %d loss tokens "
-                        "(%.1f%%) fall back to the current weights",
-                        int(missing.any(dim=1).sum()), n_missing, 100 * frac)
-        return old, missing, {"old/interrupt_fallback_frac": frac}
-
-    def _ewma_step(self, state: EWMAState | None, mask_frac: float | None) -> EWMAState:
-        """One EWMA update (the first initialises); counts resets."""
-        assert self.ewma_config is not None
-        if self._ewma_on_engine:
-            reset, since = self.engine.ewma_update(  # type: ignore[attr-defined]
-                self.ewma_config, mask_frac)
-            new = EWMAState({}, since)  # the reference itself stays on the engine
-        else:
-            new, reset = ewma_update(state, self._engine_params(), self.ewma_config,
-                                     mask_frac=mask_frac)
-        if state is not None:
-            self.ewma_resets += int(reset)
-        return new
-
-    def _ewma_old(self, packed: _Packed) -> torch.Tensor:
-        """π_old under the EWMA parameters (revised PPO-EWMA, seed 003 §5.2)."""
-        assert self.ewma_state is not None
-        kw: dict[str, Any] = dict(routing=self._forward_routing, with_entropy=False,
-                                  temperature=self.recipe.rollout.temperature)
-        if self._ewma_on_engine:
-            res = self.engine.compute_log_probs_ewma(packed.batch, **kw)  # type: ignore
-        else:
-            res = self.engine.compute_log_probs_with_weights(  # type: ignore[attr-defined]
-                packed.batch, self.ewma_state.reference, **kw)
-        return res.log_probs
-
-    def _update_ewma(self, correction_metrics: Mapping[str, float]) -> dict[str, float]:
-        """ref ← β·ref + (1−β)·θ_new, or a reset (by interval, or by the train–inference mask
-        rate ``old/ewma_mask_frac`` that :meth:`_correct` measured with the current reference)."""
-        assert self.ewma_config is not None
-        mask_frac = correction_metrics.get("old/ewma_mask_frac")
-        self.ewma_state = self._ewma_step(self.ewma_state, mask_frac)
-        return self._ewma_metrics()
+        est = self.old_policy.reference(packed, current, step=step,
+                                        version_to_step=version_to_step)
+        return _Policies(current, entropy, est.proximal, est.old, est.extra, est.metrics,
+                         est.exact)
 
     def _held_bytes_metrics(self) -> dict[str, float]:
         """``old/held_bytes``: bytes of the parameter copies held for old policies besides the
         trainer's live weights — its retained snapshots and the shadow model that runs them or
-        the EWMA reference, the EWMA reference itself, the dedicated old-logit model — measured
-        after this step's update. Engines that do not count their copies (``parameter_bytes``:
-        the Megatron ranks) report nothing."""
+        the EWMA reference, and what the old policy holds itself (the EWMA reference kept here,
+        the dedicated old-logit model) — measured after this step's update. Engines that do not
+        count their copies (``parameter_bytes``: the Megatron ranks) report nothing."""
         if not hasattr(self.engine, "parameter_bytes"):
             return {}
         live = sum(p.numel() * p.element_size()
                    for p in self.engine.model.parameters())  # type: ignore[attr-defined]
         held = self.engine.parameter_bytes() - live  # type: ignore[attr-defined]
-        ref = None if self.ewma_state is None else self.ewma_state.reference
-        if isinstance(ref, Mapping):  # parameters kept here, not on the engine's ranks
-            held += sum(t.numel() * t.element_size() for t in ref.values())
-        if self._dedicated is not None:
-            held += self._dedicated.parameter_bytes()  # type: ignore[attr-defined]
+        held += self.old_policy.held_bytes()
         return {"old/held_bytes": float(held)}
-
-    def _ewma_metrics(self) -> dict[str, float]:
-        assert self.ewma_config is not None and self.ewma_state is not None
-        return {"old/ewma_beta": self.ewma_config.beta,
-                "old/ewma_resets": float(self.ewma_resets),
-                "old/ewma_updates_since_reset": float(self.ewma_state.updates_since_reset)}
 
     # --- rewards, KL ----------------------------------------------------------------------------
     def _reference_log_probs(self, packed: _Packed) -> torch.Tensor | None:
@@ -1089,21 +795,22 @@ class Learner:
         """IS weights and kept tokens of ``algorithm.correction`` (:func:`apply_correction`)."""
         if self.recipe.algorithm.turns.is_ratio == "turn" and packed.turns is not None:
             return apply_correction_per_turn(
-                self.recipe.algorithm.correction, self._preset, p.proximal, p.old,
+                self.plan.correction, self.plan.preset, p.proximal, p.old,
                 packed.rollout_log_prob, packed.batch.response_mask, packed.turns)
-        return apply_correction(self.recipe.algorithm.correction, self._preset, p.proximal,
+        return apply_correction(self.plan.correction, self.plan.preset, p.proximal,
                                 p.old, packed.rollout_log_prob, packed.batch.response_mask)
 
     def _correct(self, packed: _Packed, p: _Policies, applied: AppliedCorrection,
                  advantages: torch.Tensor) -> _Correction:
-        """``applied`` (:meth:`_apply_correction`) then M2PO / OPSM; with ``ewma``,
-        ``old/ewma_mask_frac`` for the reference's reset."""
+        """``applied`` (:meth:`_apply_correction`) then M2PO / OPSM; the old policy's own
+        measure of the correction first (ewma: ``old/ewma_mask_frac`` for the reference's
+        reset)."""
         alg = self.recipe.algorithm
         mask = packed.batch.response_mask
         mu = packed.rollout_log_prob
         weights, keep, metrics = applied.weights, applied.keep, dict(applied.metrics)
-        if self.ewma_config is not None:
-            metrics["old/ewma_mask_frac"] = self._ewma_mask_frac(applied, p.old, mu, mask)
+        metrics.update(self.old_policy.correction_metrics(
+            applied.keep, applied.weights, applied.engine_rejects, p.old, mu, mask))
         if alg.m2po is not None:
             m2 = m2po_mask(p.proximal, mu, keep, alg.m2po.threshold, alg.m2po.max_cutoff)
             keep = keep & m2.keep_mask
@@ -1115,24 +822,13 @@ class Learner:
         metrics["rs/keep_frac"] = int(keep.sum()) / max(int(mask.sum()), 1)
         return _Correction(weights, keep, metrics)
 
-    @staticmethod
-    def _ewma_mask_frac(applied: AppliedCorrection, old: torch.Tensor, mu: torch.Tensor,
-                        mask: torch.Tensor) -> float:
-        """The train–inference mask rate that resets the EWMA reference (seed 003 §5.2): the
-        correction's own rejections (π_prox = π_old = the reference under ewma); when it has no
-        mask, the fraction of π_old/μ outside the default IcePop band [0.5, 5]."""
-        if applied.engine_rejects:
-            return applied_weight_metrics(applied.weights, applied.keep, mask,
-                                          prefix="")["mask_frac"]
-        return compute_is_correction(old, mu, mask, "icepop").metrics["mask_frac"]
-
     # --- training -------------------------------------------------------------------------------
     def _train(self, packed: _Packed, proximal: torch.Tensor, advantages: torch.Tensor,
                corr: _Correction, start_version: int, *, ref: torch.Tensor | None = None,
                lr_scale: float = 1.0) -> dict[str, float]:
         """epochs × mini-batches optimizer steps; per-step metrics combined. ``ref``: π_ref for
         the KL loss term (``kl.mode: in_loss``); ``lr_scale``: the guards' LR factor."""
-        with_ref = self.step_config.kl_estimator is not None
+        with_ref = self.plan.config.kl_estimator is not None
         batch = dataclasses.replace(packed.batch, response_mask=corr.keep)
         optim = self.recipe.optim
         steps: list[dict[str, float]] = []
@@ -1142,7 +838,7 @@ class Learner:
                     batch.select(rows), advantages[rows], proximal[rows],
                     rollout_is_weights=None if corr.weights is None else corr.weights[rows],
                     r2_version=start_version if self._replay == "r2" else None,
-                    config=self.step_config,
+                    config=self.plan.config,
                     **({"ref_log_prob": ref[rows]} if with_ref and ref is not None else {}),
                     **({"lr_scale": lr_scale} if lr_scale != 1.0 else {})))
         return self._policy_metrics(steps)
@@ -1200,14 +896,21 @@ class Learner:
 
     def state_dict(self) -> dict[str, Any]:
         """The learner's own state a checkpoint must keep (JSON-able): the length-surge
-        guard's halvings and length window."""
-        return {} if self.length_guard is None else {
+        guard's halvings and length window, and the old policy's state when it has any
+        (``old_policy``; none today: :mod:`training.runtime.old_policy`)."""
+        out: dict[str, Any] = {} if self.length_guard is None else {
             "length_surge_guard": self.length_guard.state_dict()}
+        old = self.old_policy.state_dict()
+        if old:
+            out["old_policy"] = old
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (keys of a guard the recipe does not use are ignored)."""
         if self.length_guard is not None and "length_surge_guard" in state:
             self.length_guard.load_state_dict(state["length_surge_guard"])
+        if "old_policy" in state:
+            self.old_policy.load_state_dict(state["old_policy"])
 
     @staticmethod
     def _policy_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -1228,8 +931,7 @@ class Learner:
         return out
 
     # --- metrics ----------------------------------------------------------------------------------
-    def _diagnostics(self, packed: _Packed, p: _Policies, start_version: int
-                     ) -> dict[str, float]:
+    def _diagnostics(self, packed: _Packed, p: _Policies) -> dict[str, float]:
         """What tells the mismatch sources apart, measured every step (issue 14's contract).
 
         ``mismatch/train_rollout/*`` (π_current vs μ, with the entropy tails),
@@ -1253,7 +955,7 @@ class Learner:
             m.update({k: v for k, v in compute_mismatch_metrics(
                 p.current, p.old, mask, prefix="mismatch/staleness/").items()
                 if "logprob_abs_diff/" in k or k.endswith(("kl_k1", "kl_k3"))})
-        exact = self._old_exact_mask(packed, p, start_version)
+        exact = p.exact  # π_old is the trainer at the token's own version (OldEstimate.exact)
         n_loss = int(mask.sum())
         m["old/exact_frac"] = (0.0 if exact is None else
                                int((exact & mask).sum()) / n_loss if n_loss else 1.0)
@@ -1331,25 +1033,6 @@ class Learner:
         if correction.kind not in kinds or spec is None:
             return SourceCorrection("none")
         return SourceCorrection(spec.method, spec.lower, spec.upper)
-
-    def _old_exact_mask(self, packed: _Packed, p: _Policies, start_version: int
-                        ) -> torch.Tensor | None:
-        """(B, T) tokens whose π_old is the trainer at their own behaviour version, or None when
-        the strategy never gives it (the recipe says which: :attr:`AlgorithmConfig.old_is_exact`
-        — snapshot, dedicated and interrupt, except their fallback tokens; :attr:`~AlgorithmConfig.
-        old_is_current` — recompute, on tokens of the step's start version; ewma is an average,
-        not a version, and loglinear, linear_prox and bypass have π_old = μ).
-
-        ``old/exact_frac`` is its share of the loss tokens; ``mismatch/engine/exact`` is 1.0
-        when it covers every loss token."""
-        alg = self.recipe.algorithm
-        if alg.old_is_exact:
-            fallback = p.extra.get(f"{self.old_strategy}_fallback_mask")
-            if fallback is not None:
-                return ~fallback
-        if alg.old_is_exact or alg.old_is_current:
-            return packed.token_versions == start_version
-        return None
 
     def _proxy_metrics(self, packed: _Packed, p: _Policies, advantages: torch.Tensor,
                        corr: _Correction, train_metrics: Mapping[str, float]

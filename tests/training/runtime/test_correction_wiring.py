@@ -19,10 +19,10 @@ from training.recipe import OLD_LOGPROB_STRATEGIES, RecipeError, recipe_from_dic
 from training.runtime.learner import (
     Learner,
     apply_correction,
+    build_step,
     policy_loss_config,
-    proximal_and_old,
-    step_config,
 )
+from training.runtime.old_policy import proximal_and_old
 from training.runtime.types import Group, Sample
 
 V = 100  # vocabulary of the tiny trainers (the character tokenizer's size)
@@ -245,16 +245,16 @@ def test_step_config_is_the_recipes_train_settings():
         "model": {"kind": "warmstart", "moe_experts": 4},
         "algorithm": {"routing_replay": "r2", "loss": {"name": "gspo", "entropy_coeff": 0.01}},
         "rollout": {"temperature": 0.7}, "optim": {"micro_batch_size": 4}})
-    assert step_config(recipe) == StepConfig(
+    assert build_step(recipe).config == StepConfig(
         loss_name="gspo", loss_config=policy_loss_config(recipe), routing="r2", temperature=0.7,
         micro_batch_size=4, entropy_coeff=0.01, accumulation="scaled")
-    assert step_config(recipe_from_dict({"model": {"kind": "warmstart", "moe_experts": 4},
-                                         "algorithm": {"routing_replay": "none"}})
-                       ).routing == "free"
+    assert build_step(recipe_from_dict({"model": {"kind": "warmstart", "moe_experts": 4},
+                                        "algorithm": {"routing_replay": "none"}})
+                      ).config.routing == "free"
     # a bypass preset trains bypass_mode with the preset's IS/RS settings
     bypass = recipe_from_dict({"algorithm": {"correction": {"kind": "preset",
                                                             "name": "bypass_ppo_clip"}}})
-    cfg = step_config(bypass)
+    cfg = build_step(bypass).config
     assert cfg.loss_name == "bypass_mode"
     assert cfg.loss_config == policy_loss_config(bypass, PRESETS["bypass_ppo_clip"]())
 

@@ -15,9 +15,9 @@ from training.recipe import Recipe
 from training.runtime.learner import (
     Learner,
     engine_optim_config,
-    ewma_staleness_window,
     repetition_rate,
 )
+from training.runtime.old_policy import BypassOld, ewma_staleness_window
 from training.runtime.types import Group, Sample
 
 V = 100
@@ -335,7 +335,7 @@ def test_ewma_reference_blend_and_reset_by_interval():
     new = _params(eng)
     name = "model.layers.0.self_attn.q_proj.weight"
     assert name in new
-    ref = learner.ewma_state.reference[name]
+    ref = learner.old_policy.state.reference[name]
     assert torch.allclose(ref, beta * init[name] + (1 - beta) * new[name], atol=1e-7)
     assert not torch.equal(ref, new[name])
 
@@ -348,7 +348,7 @@ def test_ewma_reference_blend_and_reset_by_interval():
     # reset_interval=2: the second update resets the reference to the current weights
     assert res2.metrics["old/ewma_resets"] == 1.0
     assert res2.metrics["old/ewma_updates_since_reset"] == 0.0
-    assert torch.equal(learner.ewma_state.reference[name], _params(eng)[name])
+    assert torch.equal(learner.old_policy.state.reference[name], _params(eng)[name])
 
 
 def test_ewma_old_matches_engine_under_reference_weights():
@@ -356,7 +356,7 @@ def test_ewma_old_matches_engine_under_reference_weights():
     learner = Learner(eng, _recipe({"old_logprob": "ewma", "ewma": {"staleness_window": 1.0}}),
                       keep_tensors=True)
     learner.step(_groups(eng, seed=1), step=0)
-    ref = {k: v.clone() for k, v in learner.ewma_state.reference.items()}
+    ref = {k: v.clone() for k, v in learner.old_policy.state.reference.items()}
     groups = _groups(eng, seed=2, first_id=2)
     res = learner.step(groups, step=1)
     samples = [s for g in groups for s in g.samples]
@@ -514,7 +514,7 @@ def test_presets_train_with_finite_loss(name):
     assert res.trained and math.isfinite(res.metrics["train/loss"])
     _finite(res.metrics)
     if name.startswith("bypass"):
-        assert learner.old_strategy == "bypass"
+        assert isinstance(learner.old_policy, BypassOld)
         assert "policy/bypass/kept_token_frac" in res.metrics
         assert torch.equal(res.debug["proximal_log_prob"], res.debug["rollout_log_prob"])
     else:
@@ -558,7 +558,7 @@ def test_uneven_groups_last_minibatch_takes_remainder():
     eng.train_step = record
     learner.step(_groups(eng, n_groups=5, n=2), step=0)
     assert sizes == [4, 6]  # groups 0-1 and 2-4
-    assert all(c is learner.step_config for c in configs)  # built once, from the recipe
+    assert all(c is learner.plan.config for c in configs)  # built once, from the recipe
 
 
 @pytest.mark.parametrize("correction", [None, "decoupled_token_is"])

@@ -180,9 +180,9 @@ def test_routing_replay_auto_reaches_the_step_config_and_the_learner():
     assert recipe.routing_replay == "r2"
     eng = _engine(experts=4)
     learner = Learner(eng, recipe)
-    assert learner.step_config.routing == "r2"
+    assert learner.plan.config.routing == "r2"
     res = learner.step(_groups(eng, n_groups=2), step=0)
     assert res.trained and res.weight_version == 2 and res.metrics["moe/replay_mode"] == 2.0
     on_policy = _recipe({"routing_replay": "auto"}, moe=True)
     assert on_policy.routing_replay == "none"
-    assert Learner(_engine(experts=4), on_policy).step_config.routing == "free"
+    assert Learner(_engine(experts=4), on_policy).plan.config.routing == "free"
