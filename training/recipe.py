@@ -32,8 +32,9 @@ JSON round trip); the ``name``, which names the run directory, matches :data:`NA
 ``/``-separated part (a campaign's candidates are ``<campaign>/<stage>/<candidate>``), so it can
 never step out of ``$ASYNCRL_HOME/runs``. Every problem is one :class:`RecipeError` line.
 
-This module imports pydantic, yaml and — only for a name outside :data:`_KNOWN_NAMES` — the
-registries (torch); checking a recipe of known names needs no torch (``asyncrl validate``).
+This module imports pydantic and yaml, and checks names against the torch-free
+:mod:`training.algorithms.names` (the registries require the same names), so checking a recipe
+needs no torch (``asyncrl validate``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from pydantic import (
     model_validator,
 )
 
+from training.algorithms.names import LOSS_AGG_MODES, NAMES
 from training.yamlfile import (
     PlainDataError,
     UnionTags,
@@ -123,60 +125,13 @@ def _no_control_chars(value: str, what: str) -> str:
     return value
 
 
-# The registries' names, so that checking a recipe whose names are all here imports no torch
-# (the registries live in torch modules). A name not here is looked up in the registry itself,
-# which decides; tests/training/test_recipe.py keeps this table equal to the registries.
-_KNOWN_NAMES: dict[str, frozenset[str]] = {
-    "loss": frozenset({"bypass_mode", "cispo", "clip_cov", "dppo_kl", "dppo_tv", "dro",
-                       "geo_mean", "gmpo", "gpg", "gspo", "gspo_token", "kl_cov", "reinforce",
-                       "sapo", "vanilla"}),
-    "advantage": frozenset({"dr_grpo", "gae", "gdpo", "gpg", "grpo", "grpo_passk", "opo",
-                            "optimal_token_baseline", "reinforce_plus_plus",
-                            "reinforce_plus_plus_baseline", "remax", "rloo",
-                            "tir_optimal_token_baseline"}),
-    "kl": frozenset({"abs", "abs+", "k1", "k1+", "k2", "k3", "k3+"}),
-    "preset": frozenset({
-        "bypass_pg_geo_rs", "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis",
-        "bypass_pg_is", "bypass_pg_token_icepop", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs",
-        "bypass_ppo_clip_k3_rs", "decoupled_geo_rs", "decoupled_geo_rs_seq_tis",
-        "decoupled_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis",
-        "decoupled_k3_rs_token_tis", "decoupled_seq_is", "decoupled_seq_is_rs",
-        "decoupled_token_icepop", "decoupled_token_is", "disabled"}),
-    "agg": frozenset({"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"}),
-    "task": frozenset({"calc_chain", "jsonl", "sum_digits"}),
-}
-
-
-def _registry_names(kind: str) -> list[str]:
-    """Valid names of a registry, imported lazily (torch loads only when a recipe is checked)."""
-    if kind == "loss":
-        from training.algorithms.policy_loss import POLICY_LOSSES
-        return POLICY_LOSSES.names()
-    if kind == "advantage":
-        from training.algorithms.advantages import ADVANTAGE_ESTIMATORS
-        return ADVANTAGE_ESTIMATORS.names()
-    if kind == "kl":
-        from training.algorithms.kl import KL_ESTIMATORS
-        return KL_ESTIMATORS.names()
-    if kind == "preset":
-        from training.algorithms.rollout_correction import PRESETS
-        return sorted(PRESETS)
-    if kind == "agg":
-        from training.algorithms.policy_loss import LOSS_AGG_MODES
-        return list(LOSS_AGG_MODES)
-    if kind == "task":
-        from training.tasks.registry import task_names
-        return task_names()
-    raise AssertionError(kind)
-
-
 def _check_name(value: str, kind: str, what: str) -> str:
-    if value in _KNOWN_NAMES[kind]:
-        return value
-    names = _registry_names(kind)
-    if value not in names:
-        raise ValueError(f"unknown {what} {short_repr(value)}; use one of: {', '.join(names)}")
+    """``value`` if it is a name of registry ``kind`` (:data:`training.algorithms.names.NAMES`,
+    torch-free: the registries require the same names), else a one-line ValueError."""
+    valid = NAMES[kind]
+    if value not in valid:
+        shown = [n for n in LOSS_AGG_MODES if n in valid] if kind == "agg" else sorted(valid)
+        raise ValueError(f"unknown {what} {short_repr(value)}; use one of: {', '.join(shown)}")
     return value
 
 

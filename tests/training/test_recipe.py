@@ -405,12 +405,31 @@ def test_an_empty_recipe_file_is_an_error(tmp_path, text):
         "recipe in it, or pass the path of a YAML recipe (see recipes/)")
 
 
-def test_known_names_are_the_registries():
-    """The table that spares `asyncrl validate` the torch import is the registries' names."""
-    from training.recipe import _KNOWN_NAMES, _registry_names
+def test_the_registries_hold_exactly_the_names_recipes_are_checked_against():
+    """training.algorithms.names (torch-free, what a recipe is checked against) and the
+    registries cannot drift: each registry requires its list when its module loads."""
+    from training.algorithms import names
+    from training.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from training.algorithms.kl import KL_ESTIMATORS
+    from training.algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
+    from training.algorithms.registry import Registry
+    from training.algorithms.rollout_correction import PRESETS
+    from training.tasks.registry import task_names
 
-    for kind, names in _KNOWN_NAMES.items():
-        assert names == set(_registry_names(kind)), kind
+    assert set(POLICY_LOSSES.names()) == names.POLICY_LOSSES
+    assert set(ADVANTAGE_ESTIMATORS.names()) == names.ADVANTAGE_ESTIMATORS
+    assert set(KL_ESTIMATORS.names()) == names.KL_ESTIMATORS
+    assert LOSS_AGG_MODES == names.LOSS_AGG_MODES and tuple(PRESETS) == names.PRESETS
+    assert set(task_names()) == names.TASKS
+    r: Registry = Registry("policy loss")
+    r.register("vanilla")(len)
+    r.register("mine")(len)
+    with pytest.raises(RuntimeError) as info:
+        r.require({"vanilla", "gspo"})
+    assert str(info.value) == (
+        "policy loss registry and training.algorithms.names disagree: listed but not "
+        "registered ['gspo'], registered but not listed ['mine']; register the function and "
+        "list its name in training.algorithms.names")
 
 
 def test_checking_a_recipe_of_known_names_imports_no_torch():

@@ -46,6 +46,7 @@ from typing import Protocol
 
 import torch
 
+from training.algorithms import names
 from training.algorithms.masked import (
     as_bool_mask,
     masked_count,
@@ -939,3 +940,5 @@ __all__ = [
     "turn_level_grpo_advantage",
     "whiten_or_zero",
 ]
+
+ADVANTAGE_ESTIMATORS.require(names.ADVANTAGE_ESTIMATORS)

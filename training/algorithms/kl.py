@@ -70,6 +70,7 @@ from typing import Protocol
 
 import torch
 
+from training.algorithms import names
 from training.algorithms.masked import (
     LOG_RATIO_BOUND,
     as_bool_mask,
@@ -343,3 +344,5 @@ __all__ = [
     "resolve_kl_estimator",
     "straight_through",
 ]
+
+KL_ESTIMATORS.require(names.KL_ESTIMATORS)

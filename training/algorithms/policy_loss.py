@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from . import names
 from .masked import (
     as_bool_mask,
     clamped_log_ratio,
@@ -85,13 +86,7 @@ __all__ = [
     "sapo_shape",
 ]
 
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+LOSS_AGG_MODES: tuple[str, ...] = names.LOSS_AGG_MODES
 BYPASS_LOSS_TYPES: tuple[str, ...] = ("ppo_clip", "reinforce")
 KL_COV_ESTIMATORS: tuple[str, ...] = ("abs", "k3")
 
@@ -1229,3 +1224,6 @@ def compute_policy_loss(
     """Look up ``loss_name`` in :data:`POLICY_LOSSES` and call it (KeyError lists valid names)."""
     fn = POLICY_LOSSES.get(loss_name)
     return fn(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
+
+
+POLICY_LOSSES.require(names.POLICY_LOSSES)

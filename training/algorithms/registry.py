@@ -2,11 +2,13 @@
 
 A decorator registers a function under a name; looking up an unknown name raises a ``KeyError``
 whose message lists the valid names; registering a name twice with a different function raises.
+:meth:`Registry.require` ties a registry to the torch-free list of its names
+(:mod:`training.algorithms.names`), which recipes are checked against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -41,6 +43,16 @@ class Registry(Generic[F]):
 
     def names(self) -> list[str]:
         return sorted(self._fns)
+
+    def require(self, names: Iterable[str], where: str = "training.algorithms.names") -> None:
+        """Raise unless exactly ``names`` are registered: the torch-free name lists recipes are
+        checked against (``where``) and the registry must not drift apart."""
+        want, have = set(names), set(self._fns)
+        if want != have:
+            raise RuntimeError(
+                f"{self.family} registry and {where} disagree: listed but not registered "
+                f"{sorted(want - have)}, registered but not listed {sorted(have - want)}; "
+                f"register the function and list its name in {where}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._fns

@@ -77,6 +77,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import names
 from .masked import LOG_RATIO_BOUND, ValidTokens, tail_stats
 
 __all__ = [
@@ -540,29 +541,7 @@ class RolloutCorrectionConfig:
 
 
 PRESETS: dict[str, Callable[..., RolloutCorrectionConfig]] = {
-    name: getattr(RolloutCorrectionConfig, name)
-    for name in (
-        "bypass_ppo_clip",
-        "bypass_ppo_clip_geo_rs",
-        "bypass_ppo_clip_k3_rs",
-        "bypass_pg_is",
-        "bypass_pg_geo_rs",
-        "bypass_pg_geo_rs_seq_tis",
-        "bypass_pg_geo_rs_token_tis",
-        "decoupled_token_is",
-        "decoupled_seq_is",
-        "decoupled_seq_is_rs",
-        "decoupled_geo_rs",
-        "decoupled_geo_rs_seq_tis",
-        "decoupled_geo_rs_token_tis",
-        "decoupled_k3_rs",
-        "decoupled_k3_rs_seq_tis",
-        "decoupled_k3_rs_token_tis",
-        "decoupled_token_icepop",
-        "bypass_pg_token_icepop",
-        "disabled",
-    )
-}
+    name: getattr(RolloutCorrectionConfig, name) for name in names.PRESETS}
 """Preset name → constructor, exactly the rows of seed 001's preset table."""
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from training.algorithms import names
 from training.algorithms.registry import Registry
 
 Split = Literal["train", "eval"]
@@ -111,6 +112,7 @@ def load_builtin_tasks() -> None:
 
 def task_names() -> list[str]:
     load_builtin_tasks()
+    TASKS.require(names.TASKS)
     return TASKS.names()
 
 
