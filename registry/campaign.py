@@ -90,11 +90,10 @@ def seeded(recipe: Recipe, j: int) -> Recipe:
     draw, sampling, the task's split: seeds are compared as independent samples)."""
     if j == 0:
         return recipe
-    data = recipe.to_dict()
-    data["seed"] = recipe.seed + j
-    if data["model"].get("kind") == "warmstart" and data["model"].get("seed") is None:
-        data["model"]["seed"] = recipe.seed
-    return recipe_from_dict(data, f"{recipe.name} (seed +{j})")
+    keep_start = recipe.model.kind == "warmstart" and recipe.model.seed is None
+    return recipe.with_overrides({"seed": recipe.seed + j,
+                                  **({"model.seed": recipe.seed} if keep_start else {})},
+                                 f"{recipe.name} (seed +{j})")
 
 
 def reference_name(stage: str) -> str:

@@ -40,8 +40,6 @@ needs no torch (``asyncrl validate``).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
 import re
 import typing
@@ -60,6 +58,7 @@ from pydantic import (
 )
 
 from training.algorithms.names import LOSS_AGG_MODES, NAMES
+from training.recipe_identity import recipe_hash
 from training.yamlfile import (
     PlainDataError,
     UnionTags,
@@ -1183,57 +1182,15 @@ class Recipe(_Strict):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def hash(self) -> str:
+        """:func:`training.recipe_identity.recipe_hash`."""
         return recipe_hash(self)
 
-
-# <top>.<section|None>.<key> fields added after runs were recorded: at their default they do not
-# count in the hash, so `--resume` of a run (and a campaign) from before them still matches
-_ADDED_LATER: tuple[tuple[str, str | None, str, Any], ...] = (
-    ("engines", "megatron", "precision", "fp32"),
-    ("algorithm", "kl", "is_correction", "none"),
-    ("optim", None, "vcpo", None),
-    ("optim", None, "length_surge_guard", None),
-    ("async", None, "interrupt", "auto"),
-    ("algorithm", "correction", "args", {}),
-    ("algorithm", "loss", "loss_scale_factor", None),
-    ("algorithm", "loss", "dro_beta", None),
-    ("model", None, "origin", None),
-    ("model", None, "seed", None),
-    ("model", None, "moe_experts", None),
-    ("engines", None, "rollout_threads", 1),
-    ("engines", None, "train_threads", 1),
-    ("algorithm", None, "dedicated_versions", 2),
-    ("rollout", None, "max_turns", 8),
-    ("rollout", None, "tool_timeout_s", 2.0),
-    ("algorithm", None, "turns", {"advantage": "trajectory", "is_ratio": "trajectory"}))
-
-
-def recipe_hash(recipe: Recipe) -> str:
-    """16 hex digits of sha256 over the canonical JSON of every field but name/description.
-    Stable across processes and field order in the YAML; defaults count (an explicit default and
-    an omitted one hash the same). The settings of a backend the recipe does not use
-    (``engines.megatron`` unless ``train: megatron``, ``engines.sglang`` unless ``rollout:
-    sglang``) do not count: they change nothing about the run; nor do fields added later while
-    they keep their default (``_ADDED_LATER``); nor does a checkpoint's path when its ``origin``
-    (the recipe that produced it) is known."""
-    data = recipe.to_dict()
-    data.pop("name", None)
-    data.pop("description", None)
-    if data["model"].get("origin") is not None:  # a checkpoint known by what produced it
-        data["model"].pop("path")
-    engines = data.get("engines", {})
-    if engines.get("train") != "megatron":
-        engines.pop("megatron", None)
-    for top, section, key, default in _ADDED_LATER:  # at their default: the hash before them
-        holder = data.get(top, {})
-        if section is not None:
-            holder = holder.get(section, {})
-        if holder.get(key, default) == default:
-            holder.pop(key, None)
-    if engines.get("rollout") != "sglang":
-        engines.pop("sglang", None)
-    canon = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+    def with_overrides(self, overrides: Mapping[str, Any], source: str | None = None) -> Recipe:
+        """This recipe with ``overrides`` (dotted keys or nested mappings, merged as
+        :func:`apply_overrides` merges) applied and validated; a problem is a
+        :class:`RecipeError` naming ``source`` (default: the recipe's name)."""
+        return recipe_from_dict(apply_overrides(self.to_dict(), overrides),
+                                source or self.name)
 
 
 _SCHEMA_HINT = "asyncrl schema recipe lists them"  # where an unknown field's message points

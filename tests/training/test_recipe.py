@@ -807,3 +807,20 @@ def test_routing_replay_auto_is_none_on_a_dense_model_and_explicit_values_stay()
                             ).routing_replay == "r2"
     with pytest.raises(RecipeError, match="needs an MoE model"):
         recipe_from_dict({"algorithm": {"routing_replay": "r3"}})
+
+
+def test_with_overrides_is_load_recipe_with_overrides_and_names_its_source():
+    from training.recipe import RecipeError, load_recipe
+    from training.recipe_identity import recipe_hash, recipe_identity
+
+    path = RECIPES / "stress-one_step.yaml"
+    over = {"optim.lr": 2e-5, "rollout": {"n": 16}}
+    r = load_recipe(path).with_overrides(over)
+    assert r == load_recipe(path, over) and recipe_hash(r) == recipe_hash(load_recipe(path, over))
+    assert (r.optim.lr, r.rollout.n) == (2e-5, 16)
+    # steps do not count in the identity a resume must match; everything else does
+    assert recipe_identity(r) == recipe_identity(r.with_overrides({"steps": 500}))
+    assert recipe_identity(r) != recipe_identity(r.with_overrides({"seed": 7}))
+    with pytest.raises(RecipeError) as info:
+        r.with_overrides({"optim.lr": -1.0}, "candidate x")
+    assert str(info.value).startswith("candidate x") and "\n" not in str(info.value)

@@ -8,8 +8,9 @@ on, one :class:`~training.runtime.types.Group` per line). It is written into a t
 directory and moved into place by two renames (:func:`training.engines.hf_io.move_into_place`);
 a kill between them leaves a copy that :func:`read_resume_state` restores first
 (:func:`training.fileio.recover_dir`). A resume must run the recipe the run started with, up to
-``steps`` (:func:`recipe_identity`); the metric and eval histories keep the steps before the
-checkpoint (:func:`truncate_history`) and the rest is recomputed, so no step is logged twice.
+``steps`` (:func:`training.recipe_identity.recipe_identity`); the metric and eval histories keep
+the steps before the checkpoint (:func:`truncate_history`) and the rest is recomputed, so no step
+is logged twice.
 
 Every problem is a :class:`ResumeError` whose one line names the file and the fix.
 """
@@ -24,11 +25,12 @@ from pathlib import Path
 
 from training.engines.hf_io import move_into_place
 from training.fileio import atomic_write_text, recover_dir
-from training.recipe import Recipe, recipe_from_dict, recipe_hash
+from training.recipe import Recipe
+from training.recipe_identity import recipe_identity
 from training.runtime.types import Group, RunState
 
 __all__ = ["BUFFER_FILE", "CHECKPOINT_DIR", "RUNTIME_STATE", "ResumeError", "read_buffer",
-           "read_resume_state", "recipe_identity", "truncate_history", "write_checkpoint"]
+           "read_resume_state", "truncate_history", "write_checkpoint"]
 
 log = logging.getLogger("asyncrl.runtime")
 
@@ -39,13 +41,6 @@ BUFFER_FILE = "buffer.jsonl"
 
 class ResumeError(Exception):
     """A run directory that cannot be resumed; one line naming the fix."""
-
-
-def recipe_identity(recipe: Recipe) -> str:
-    """The recipe's hash with ``steps`` left out (a resumed run may be extended)."""
-    data = recipe.to_dict()
-    data["steps"] = 1
-    return recipe_hash(recipe_from_dict(data))
 
 
 def write_checkpoint(run_dir: Path, state: RunState, groups: Sequence[Group],

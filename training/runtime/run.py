@@ -50,14 +50,14 @@ from training.engines.hf_io import CheckpointError, read_meta
 from training.evals import EVAL_FILE, EvalOutcome, EvalResult, append_eval
 from training.fileio import atomic_write_text
 from training.ownership import OwnedError, RunDirLock
-from training.recipe import CheckpointModel, Recipe, recipe_hash
+from training.recipe import CheckpointModel, Recipe
+from training.recipe_identity import recipe_hash, recipe_identity
 from training.runtime.backends import BackendError, RolloutBackend, rollout_backend
 from training.runtime.checkpoint import (
     CHECKPOINT_DIR,
     ResumeError,
     read_buffer,
     read_resume_state,
-    recipe_identity,
     truncate_history,
     write_checkpoint,
 )
