@@ -14,14 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-TINY = {
-    "name": "tiny", "steps": 2,
-    "model": {"kind": "warmstart", "warmstart_steps": 60, "hidden_size": 32, "num_layers": 2},
-    "rollout": {"n": 4, "batch_prompts": 4, "max_response_tokens": 16},
-    "engines": {"num_rollout_engines": 1},
-    "async": {"mode": "sync"},
-    "eval": {"every": 0, "n": 8},
-}
+TINY = yaml.safe_load((Path(__file__).parents[1] / "tiny-recipe.yaml").read_text())
 
 CAMPAIGN = {
     "name": "e2e",
