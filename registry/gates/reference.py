@@ -54,6 +54,13 @@ metric names as keys, values numbers (`null` for a non-finite value). A row with
 
 {contract_rows}
 
+Beside it, an optional `eval.jsonl` makes the eval comparisons paired: one JSON object per eval
+with `step` (and `"step/eval_only": 1` for the eval before the first update) as in
+`metrics.jsonl`, `prompts` (a name of the ordered prompt set: two evals pair only when it and the
+count match) and `rewards` (one reward per prompt, in that order). Two evals on the same prompts
+are then compared by the standard error of their per-prompt differences, sd(d)/√n, instead of the
+binomial SE of two independent accuracies; `asyncrl` runs write it (`training.evals`).
+
 A metric a run does not log is absent from its judgement: the gate that needs it says so and does
 not decide. Names other frameworks log for the same quantities are read when ours are absent:
 
