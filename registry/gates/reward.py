@@ -76,10 +76,12 @@ class EvalTracksRewardParams(GateParams):
     Fails when the training reward rose by more than ``min_rise`` (mean of the last ``smooth``
     points minus the first ``smooth``) while ``eval/reward_mean`` fell, first → last eval, by
     more than the limit; or, with a reference, when the last eval is below the reference's by
-    more than the limit. Limit = max(``max_eval_drop``, z × SE): SE the binomial standard error
-    of the difference of two accuracies on ``eval/n`` prompts each, z = z_{1−α/k} over the k
-    candidates of the stage (``context.candidates``). A run that does not log ``eval/n`` is
-    judged on ``max_eval_drop`` alone, and the evidence says so.
+    more than the limit. Limit = max(``max_eval_drop``, z × SE): SE the paired standard error
+    sd(d)/√n of the per-prompt differences when both evals' rewards are in ``eval.jsonl`` on the
+    same prompts, else the binomial standard error of the difference of two accuracies on
+    ``eval/n`` prompts each; z = z_{1−α/k} over the k candidates of the stage
+    (``context.candidates``). A run that logs neither is judged on ``max_eval_drop`` alone, and
+    the evidence says so.
 
     On 58 prompts a 0.1 fall is ≈ 1.1 SE: the old fixed 0.1 failed one candidate in seven by
     chance; with six candidates z ≈ 2.39, so a fall must be ≈ 0.22 at p ≈ 0.6 to fail.
