@@ -75,8 +75,9 @@ class EvalTracksRewardParams(GateParams):
 
     Fails when the training reward rose by more than ``min_rise`` (mean of the last ``smooth``
     points minus the first ``smooth``) while ``eval/reward_mean`` fell, first → last eval, by
-    more than the limit; or, with a reference, when the last eval is below the reference's by
-    more than the limit. Limit = max(``max_eval_drop``, z × SE): SE the paired standard error
+    more than the limit; or, with a reference, when the last eval is below the reference's (its
+    summary's tail mean; paired, its last eval on the same prompts) by more than the limit.
+    Limit = max(``max_eval_drop``, z × SE): SE the paired standard error
     sd(d)/√n of the per-prompt differences when both evals' rewards are in ``eval.jsonl`` on the
     same prompts, else the binomial standard error of the difference of two accuracies on
     ``eval/n`` prompts each; z = z_{1−α/k} over the k candidates of the stage
@@ -217,8 +218,13 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
                        f"{'>' if value > limit else '≤'} {limit_txt}")
     if ref is not None:
         ref_n = ref_value(reference, EVAL_N)
+        pair = paired_diff(run.reference_eval, run.evals.get(s1))
+        if pair is not None and run.reference_eval is not None:
+            # paired: the reference's last eval on the same prompts (the summary's value is a
+            # tail mean over several evals, which the paired SE does not describe)
+            ref = run.reference_eval.mean
         se, fall_txt = _fall_text(ref, e_last, ref_n, n1, "reference eval vs this run's last",
-                                  paired_diff(run.reference_eval, run.evals.get(s1)))
+                                  pair)
         ref_limit, limit_txt = _eval_limit(p.max_eval_drop, p.alpha, context.candidates, se)
         below_ref = ref - e_last > ref_limit
         clauses.append(f"{fall_txt} {'>' if below_ref else '≤'} {limit_txt}")

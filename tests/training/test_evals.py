@@ -116,3 +116,20 @@ def test_best_eval_pairs_candidates_on_the_same_prompts():
                                   Contender("b", 0.7, 100, outcome(b))])
     assert paired.index == 1
     assert "beyond noise" in paired.reason and "paired on 100 prompts" in paired.reason
+
+
+def test_paired_against_the_reference_compares_with_the_reference_s_last_eval():
+    """The reference's summary is a tail mean over its evals (0.90, 0.88, 0.86 → 0.88); paired,
+    the comparison is with its last eval on the same prompts (0.86): 0.86 → 0.82 is a fall of
+    0.04, under the 0.05 effect size, so the run passes — measured against the tail mean with the
+    paired SE it would have failed (0.06 = 3 SE)."""
+    ref_last = [1.0] * 86 + [0.0] * 14
+    mine = [0.0] * 4 + [1.0] * 82 + [0.0] * 14
+    hist = [{"step": 0, "rollout/reward_mean": 0.5},
+            {"step": 1, "rollout/reward_mean": 0.5, "eval/reward_mean": 0.82, "eval/n": 100}]
+    r = evaluate_gate("eval_tracks_reward", hist,
+                      reference={"eval/reward_mean": 0.88, "eval/n": 100.0},
+                      evals=[outcome(mine, 1)], reference_eval=outcome(ref_last, 29))
+    assert r.passed, r.evidence
+    assert "reference eval vs this run's last 0.86 → 0.82 on the same 100 prompts" in r.evidence
+    assert r.value == pytest.approx(0.04)

@@ -1,7 +1,7 @@
 """Atomic rewrites under kill -9: a process rewriting a run's metrics history (the resume path,
-``_truncate_metrics``) is SIGKILLed at random moments; after every kill the file holds the whole
-history. The same loop with a plain ``write_text`` loses it (the control). A directory swap
-killed between its two renames is recovered."""
+``training.runtime.checkpoint.truncate_history``) is SIGKILLed at random moments; after every
+kill the file holds the whole history. The same loop with a plain ``write_text`` loses it (the
+control). A directory swap killed between its two renames is recovered."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def _history(path: Path) -> str:
 REWRITER = """
 import sys
 from pathlib import Path
-from training.runtime.run import _truncate_metrics
+from training.runtime.checkpoint import truncate_history
 path = Path(sys.argv[1])
 print("ready", flush=True)
 while True:
-    _truncate_metrics(path, {rows})   # keeps every row: the file is rewritten, unchanged
+    truncate_history(path, {rows})   # keeps every row: the file is rewritten, unchanged
 """
 
 PLAIN = """

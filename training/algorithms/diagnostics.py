@@ -212,7 +212,8 @@ def compute_off_policy_diagnostics(
     applied here).
 
     No ``mismatch/engine/exact``: whether π_old is the exact behaviour version needs each
-    token's version and the strategy, which only the learner has (``Learner._old_exact_mask``).
+    token's version and the strategy, which only the learner has
+    (``training.runtime.old_policy.OldEstimate.exact``).
     """
     current = proximal_log_prob if current_log_prob is None else current_log_prob
     cfg = compis or CompISConfig()

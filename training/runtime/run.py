@@ -292,6 +292,7 @@ class Runtime:
             # recipe.yaml behind (which would make the directory look like a run to resume)
             self.init_dir = initial_checkpoint(self.recipe)
             atomic_write_text(self.run_dir / "recipe.yaml", self.recipe.to_yaml())
+            (self.run_dir / EVAL_FILE).unlink(missing_ok=True)  # metrics.jsonl restarts too
             engine_dir = self.init_dir
             trainer_resume = None
         else:

@@ -86,10 +86,10 @@ def test_embedded_backend_without_servers(tmp_path, monkeypatch):
 
 
 def test_run_state_round_trips_and_reads_older_files():
-    from training.runtime.types import RolloutState, RunState
+    from training.runtime.types import RolloutState, RunCounters, RunState
 
     state = RunState(step=4, step_start_versions=[0, 1, 2, 3], synced_versions=[0, 2],
-                     consumed_samples=64, counters={"trained_samples": 60.0},
+                     consumed_samples=64, counters=RunCounters(trained_samples=60),
                      rollouter=RolloutState(next_group_id=20, regenerate=[17, 19],
                                             policy_step=4, controller={"a": 1},
                                             dispatcher={"b": [2]}),

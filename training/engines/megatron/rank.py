@@ -301,8 +301,8 @@ class MegatronRank(RetainedState, RouteReplay):
         """(host, free port) for the TCP rendezvous; asked of rank 0."""
         import ray
 
-        address = ray.util.get_node_ip_address()
-        return address, free_port(address)
+        # probed on every interface, where torch's TCPStore will listen
+        return ray.util.get_node_ip_address(), free_port("")
 
     def init_distributed(self, host: str, port: int) -> int:
         """Join the world (gloo on CPU, nccl on GPU) and build megatron's parallel groups."""
