@@ -71,3 +71,29 @@ def test_the_decision_tree_names_the_source_that_grew():
     # lr 1e-4, one-step: flat at 0.07 (lag × a large update), no growing source: no cause
     flat = diagnosis_for(run("one-1e4"))
     assert flat.causes == [] and flat.unseparated is None
+
+
+def _eval_run(name: str):
+    from training.evals import read_evals
+
+    return (read_metrics(HERE / f"{name}.eval-metrics.jsonl"),
+            read_evals(HERE / f"{name}.eval.jsonl"))
+
+
+def test_paired_eval_on_real_runs_with_their_per_prompt_rewards():
+    """Three real 30-step sync runs with their eval.jsonl (114 prompts, evals at 0/9/19/29):
+    the ladder's baseline at lr 1e-5 fails either way (paired 2.07 SE); a 300-step warm start at
+    lr 1e-5 holds either way; at lr 2e-5 the same fall of 0.070 passes on the binomial SE (limit
+    0.1025) and fails paired (limit 0.0702: 24 prompts changed, the fall is 1.65 SE)."""
+    verdicts = {}
+    for name in ("ladder-sync-1e5", "sync-w300-1e5", "sync-w300-2e5"):
+        history, evals = _eval_run(name)
+        assert [e.n for e in evals] == [114] * 4
+        unpaired = evaluate_gate("eval_not_degraded", history)
+        paired = evaluate_gate("eval_not_degraded", history, evals=evals)
+        assert "on the same 114 prompts (paired" in paired.evidence
+        assert paired.value == pytest.approx(unpaired.value)
+        verdicts[name] = (unpaired.passed, paired.passed, round(paired.threshold, 4))
+    assert verdicts == {"ladder-sync-1e5": (False, False, 0.0766),
+                        "sync-w300-1e5": (True, True, 0.0663),
+                        "sync-w300-2e5": (True, False, 0.0702)}
