@@ -40,7 +40,9 @@ def judgements(histories: Path = HISTORIES) -> list[dict]:
 
     campaign, _ = load_campaign(CAMPAIGN)
     stages = {st.name: st for st in campaign.stages}
-    files = sorted(histories.glob("*.jsonl"))
+    # ``<name>.jsonl`` only: ``<name>.eval.jsonl`` / ``<name>.eval-metrics.jsonl`` are the
+    # paired-eval fixtures (per-prompt rewards and the eval rows alone), not training histories.
+    files = sorted(p for p in histories.glob("*.jsonl") if "." not in p.stem)
     runs = {p.stem: read_metrics(p) for p in files}
     out = []
     for p in files:
