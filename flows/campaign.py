@@ -507,8 +507,14 @@ class _Flow:
         from training.runtime.sinks import read_metrics
 
         worst = outcomes[-1]
-        # the last candidate's own recipe tailors the prescribed override to it
-        diagnosis = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe)
+        # the last candidate's own recipe tailors the prescribed override to it; the reference it
+        # was judged against (the baseline's summary) calibrates the tree's thresholds
+        refs = worst.report.judged_with.get("references") or {}
+        reference = next(iter(refs.values()), None)
+        lag = worst.report.judged_with.get("context", {}).get("max_staleness")
+        lag = 1 if lag is None else lag  # unbounded staleness: at least one update of lag
+        diagnosis = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe,
+                                  reference=reference, lag=lag)
         diag = diagnosis.to_dict()  # the JSON edge: the registry record and verdict.json
         failed = "; ".join(f"{o.candidate}: " + ", ".join(o.failed_gates)
                            for o in outcomes)

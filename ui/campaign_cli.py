@@ -799,16 +799,24 @@ def _override_yaml(override: dict[str, Any]) -> str:
 
 def diagnose_cmd(
     run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
+    reference: Path | None = typer.Option(None, "--reference", metavar="REF_RUN", help=(
+        "A healthy reference run (directory or metrics.jsonl), e.g. the campaign's sync "
+        "baseline: the tree's thresholds measured on another stack are taken from it.")),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The decision tree of seed 001 on a run's metrics: each cause (A–F) with its evidence, the
     fix, and the fix as a recipe override — YAML ready to paste into a campaign candidate's
-    ``overrides:``, tailored to and validated against the run's recipe.yaml when it has one."""
-    from registry.gates import diagnosis_for
+    ``overrides:``, tailored to and validated against the run's recipe.yaml when it has one.
+    With ``--reference``, "rising", the staleness-KL level and the engine-agreement limits come
+    from that run (lag: the run's recipe's staleness bound, 1 without a recipe)."""
+    from registry.gates import diagnosis_for, summarize
 
     history = _history(run)
     recipe, why = _run_recipe(run)
-    diag = diagnosis_for(history, recipe)
+    ref = summarize(_history(reference)) if reference is not None else None
+    bound = recipe.async_.staleness_bound if recipe is not None else None
+    lag = 1 if bound is None else bound
+    diag = diagnosis_for(history, recipe, reference=ref, lag=lag)
     if as_json:
         out = {**diag.to_dict(), "recipe": "recipe.yaml" if recipe is not None else None}
         typer.echo(json.dumps(out, indent=2, default=str))

@@ -548,11 +548,13 @@ def tail_means(run: Run, keys: Sequence[str], frac: float) -> dict[str, float]:
     return out
 
 
-def diagnose_run(run: Run, tail: float = 0.25) -> Diagnosis:
+def diagnose_run(run: Run, tail: float = 0.25,
+                 thresholds: Thresholds | None = None) -> Diagnosis:
     """Seed 001's decision tree on a run: the means of the last ``tail`` of every metric and the
     series its "rising" rules read — the train–rollout |Δlogp| over lag > 0 steps only (one-step's
     lag-0 first step is not the start of a rise), the staleness KL and the reward (B's "grow"
-    and "continue" rules)."""
+    and "continue" rules). ``thresholds``: the seed's defaults unless given (e.g. calibrated on
+    a reference, :func:`training.algorithms.decision_tree.calibrated`)."""
     metrics = tail_means(run, run.metric_keys(), tail)
     lag = dict(run.series(STALENESS_LAG))
     series: dict[str, list[float]] = {}
@@ -563,4 +565,4 @@ def diagnose_run(run: Run, tail: float = 0.25) -> Diagnosis:
             pts = [(s, v) for s, v in pts if lag.get(s, 1.0) > 0]
         if pts:
             series[key] = [v for _, v in pts]
-    return diagnose(metrics, DEFAULT_THRESHOLDS, series)
+    return diagnose(metrics, thresholds or DEFAULT_THRESHOLDS, series)

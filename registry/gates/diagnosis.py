@@ -24,10 +24,13 @@ from registry.gates.core import (
     tail_points,
 )
 from registry.gates.mismatch import mismatch_summary
+from registry.gates.stats import step_sd
 from training.algorithms.decision_tree import (
+    ENGINE_AGREEMENT,
     FIXES,
     UNSEPARATED,
     Diagnosis,
+    calibrated,
     prescription,
 )
 
@@ -47,7 +50,9 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     read like the gates read (training rows for training metrics, every row for ``eval/*``, None
     and non-numeric values skipped). With a metric logged every step this is the mean over the
     last 25 % of training steps; a sparse metric (eval every k steps) averages its own last 25 %
-    of values. Plus, for the train–rollout and the engine |Δlogp|
+    of values. Plus ``<key>/sd``, the step-to-step spread of that window, for the engine's
+    same-weights agreement metrics (``ENGINE_AGREEMENT``: the decision tree's calibration reads
+    it), and, for the train–rollout and the engine |Δlogp|
     (:func:`~registry.gates.mismatch.mismatch_summary`): the fitted line's ``/slope``, ``/rise``,
     ``/start`` and ``/rel_rise`` (over the lag > 0 steps of a lagged run), and ``/sd``, ``/n`` —
     the step-to-step spread and size of the level's window, the noise the level gates use.
@@ -57,6 +62,10 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     run = Run(history)
     out = tail_means(run, run.metric_keys(), tail)
     out.update(mismatch_summary(run, tail))
+    for key, _ in ENGINE_AGREEMENT:  # the noise the decision tree's calibration reads
+        pts = tail_points(run.series(key), tail)
+        if len(pts) >= 3:
+            out[f"{key}/sd"] = step_sd([v for _, v in pts])
     return dict(sorted(out.items()))
 
 
@@ -167,7 +176,8 @@ class RunDiagnosis:
     unseparated, and the tree saw nothing wrong; escalation / escalation_text: seed 001's rung
     (None if none); missing: metrics the tree wanted and the run lacks; window: first and last
     training step; failed_gates: gates at their defaults that fail; skipped_gates: gates left
-    out without a reference; summary: one paragraph for a verdict.
+    out without a reference; summary: one paragraph for a verdict; calibration: the tree's
+    thresholds taken from the reference, one line each (empty without a reference).
     """
 
     causes: list[str]
@@ -183,6 +193,7 @@ class RunDiagnosis:
     failed_gates: list[GateResult]
     skipped_gates: list[SkippedGate]
     summary: str
+    calibration: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, the layout stored in the registry's campaign record."""
@@ -200,11 +211,14 @@ class RunDiagnosis:
             "failed_gates": [r.to_dict() for r in self.failed_gates],
             "skipped_gates": [dataclasses.asdict(g) for g in self.skipped_gates],
             "summary": self.summary,
+            "calibration": list(self.calibration),
         }
 
 
 def diagnosis_for(history: Sequence[Mapping[str, Any]],
-                  recipe: Recipe | None = None) -> RunDiagnosis:
+                  recipe: Recipe | None = None,
+                  reference: Mapping[str, float] | None = None,
+                  lag: int = 1) -> RunDiagnosis:
     """Seed 001's A–F decision tree on a run (for a stage nobody passed, ``asyncrl diagnose``).
 
     ``training.algorithms.decision_tree.diagnose`` gets the means of the last 25 % of points of
@@ -223,9 +237,15 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
     defaults with no reference, except those whose default is only meaningful against one
     (``zero_variance_groups``), listed in ``skipped_gates`` with the reason and named in the
     summary; the gates that fail are in ``failed_gates``.
+
+    With ``reference`` (a healthy run's :func:`summarize`: the campaign's baseline), the tree's
+    thresholds that seed 001 measured on another stack are taken from it
+    (:func:`training.algorithms.decision_tree.calibrated`, ``lag`` = the run's staleness bound),
+    listed in ``calibration`` and named in the summary.
     """
     run = Run(history)
-    d = diagnose_run(run)
+    thresholds, calibration = (calibrated(reference, lag) if reference else (None, ()))
+    d = diagnose_run(run, thresholds=thresholds)
     facts = _recipe_facts(recipe)
 
     def finding(cause: str, title: str, evidence: list[str], fix: str,
@@ -279,6 +299,8 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
                    + ", ".join(r.name for r in failed) + ".")
     else:
         summary = "no decision-tree cause matched and every default gate passes."
+    if calibration:
+        summary += " Thresholds from the reference: " + "; ".join(calibration) + "."
     summary += (" Not judged without a reference: " + ", ".join(g.name for g in skipped)
                 + " (give it relative_to a baseline in a campaign).")
     return RunDiagnosis(
@@ -288,7 +310,8 @@ def diagnosis_for(history: Sequence[Mapping[str, Any]],
         escalation=d.escalation, escalation_text=_ESCALATION_TEXT.get(d.escalation or ""),
         missing=list(d.missing),
         window=(run.train[0][0], run.train[-1][0]) if run.train else None,
-        failed_gates=failed, skipped_gates=skipped, summary=summary)
+        failed_gates=failed, skipped_gates=skipped, summary=summary,
+        calibration=list(calibration))
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,3 +97,26 @@ def test_paired_eval_on_real_runs_with_their_per_prompt_rewards():
     assert verdicts == {"ladder-sync-1e5": (False, False, 0.0766),
                         "sync-w300-1e5": (True, True, 0.0663),
                         "sync-w300-2e5": (True, False, 0.0702)}
+
+
+def test_the_decision_tree_calibrated_on_the_reference_fires_on_causes_not_on_the_reference():
+    """Issue 26 item 6: with the campaign's reference the tree's "rising" includes the rise the
+    healthy reference had itself, and B's staleness-KL level is one update of the reference's."""
+    sync = summarize(run("sync"))
+    # uncalibrated, the sync reference's own doubling engine gap (0.007 → 0.013) reads as A;
+    # against itself (rising > 1.5 + its rise 1.104) it is no cause
+    assert diagnosis_for(run("sync")).causes == ["A"]
+    own = diagnosis_for(run("sync"), reference=sync, lag=0)
+    assert own.causes == [] and any("2.604" in line for line in own.calibration)
+    # the one-step partner's staleness still grows 4.5× (seed 001's B) beyond the seed's 1.5×
+    one = diagnosis_for(run("one"), reference=sync, lag=1)
+    assert one.causes == ["B"]
+    assert any("is/staleness/kl_k1 last/first quarter" in e for e in one.findings[0].evidence)
+    # group 16: reward collapses and the staleness grows — B, calibrated or not
+    g16 = diagnosis_for(run("g16-one"), reference=summarize(run("g16-sync")), lag=1)
+    assert g16.causes == ["B"]
+    # lr 1e-4: flat at lag × a large update (staleness KL 0.030 < one update's 0.040) — healthy
+    flat = diagnosis_for(run("one-1e4"), reference=summarize(run("sync-1e4")), lag=1)
+    assert flat.causes == [] and flat.unseparated is None
+    assert any("0.0401" in line for line in flat.calibration)
+    assert "Thresholds from the reference" in flat.summary

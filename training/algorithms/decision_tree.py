@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 ENGINE_PREFIX = "mismatch/engine/"
@@ -120,6 +120,98 @@ class Thresholds:
     rs_mask_low: float = 0.10
     rs_mask_high: float = 0.25         # RS discarding > 25% → systems fix
     systems_ess_min: float = 0.3       # ESS < 0.3 even after RS → systems fix
+    # B's bound on the staleness KL level (is/staleness/kl_k1); None → kl_healthy, the seed's
+    # one number for "no meaningful drift". :func:`calibrated` sets it from the reference.
+    staleness_kl_max: float | None = None
+    # "rising" for the staleness KL (B's "grow with queue age"); None → diff_rise_ratio. Kept at
+    # the seed's value by :func:`calibrated`: a sync reference has no staleness to rise.
+    staleness_rise_ratio: float | None = None
+
+
+#: The same-weights agreement quantities cause A reads, as (metric, ideal value): the tree's
+#: thresholds on them are seed 001's, measured on verl's vLLM/FSDP stack.
+ENGINE_AGREEMENT = (("mismatch/engine/kl_k1", 0.0), ("mismatch/engine/probs_pearson", 1.0),
+                    ("mismatch/engine/ppl_ratio", 1.0), ("mismatch/engine/probs_abs_diff/max", 0.0))
+#: The reference's size of one update (the KL between consecutive policy versions on the batch
+#: trained): what one step of lag costs, whatever the learning rate (first present wins).
+UPDATE_KL = ("policy/update_kl", "policy/update/kl_k3")
+
+
+def calibrated(reference: Mapping[str, float], lag: int = 1,
+               base: Thresholds | None = None) -> tuple[Thresholds, tuple[str, ...]]:
+    """Thresholds taken from a campaign's reference (a healthy synchronous run's summary,
+    ``registry.gates.summarize``) where the seed's absolute values come from another stack.
+
+    Each one that the reference has the data for, with what it replaces:
+
+    * **"rising"** (``diff_rise_ratio``): the seed's 1.5× of the first quarter, plus the
+      reference's own relative rise of the exact engine |Δlogp| (``…/rel_rise`` of the fitted line,
+      when > 0) — the gates' rule for ``logprob_diff_flat``: a rise the healthy reference had
+      itself is no cause. A sync reference judged by itself then shows no A. (The staleness
+      KL's "rising" stays at the seed's 1.5×: a sync reference has no staleness to rise.)
+    * **B's staleness-KL level** (``staleness_kl_max``): max(seed's 0.02, ``lag`` × the reference's
+      update KL ``policy/update_kl``). One step of lag is one update's KL; a staleness KL at that
+      level is the lag the mode asks for, not drift (seed 000 measured at a small learning rate,
+      where one update was far below 0.02).
+    * **A's same-weights agreement** (``kl_engine``, ``pearson_broken``, ``ppl_ratio_tolerance``,
+      ``probs_diff_max_large``), where the reference logs the metric and its step-to-step spread
+      ``…/sd``: as a deviation d from the ideal (0 for KL and max |Δp|, 1 for Pearson and the PPL
+      ratio), the limit is max(1.5 × d_ref, d_ref + 3 × sd_ref) — the engine level's rule in
+      ``engine_mismatch_flat``. It can be tighter than the seed's number (a precise engine pair)
+      or looser (a noisier one); ``pearson_healthy`` and ``kl_healthy`` follow so "healthy"
+      stays reachable.
+
+    Left as the seed gives them: the staleness ratio p99 (a sync reference has no staleness and
+    logs the update's |Δlogp| p99, not its ratio; B's level rules fire only with a rising series
+    anyway), χ², ESS, clip fraction and length surge (properties of the correction and the
+    optimiser, not of the engine pair).
+
+    Returns the thresholds and one line per value taken, naming the reference figure it came
+    from (the diagnosis shows them).
+    """
+    t = base or Thresholds()
+    notes: list[str] = []
+    changes: dict[str, float] = {}
+
+    def num(key: str) -> float | None:
+        v = reference.get(key)
+        return float(v) if v is not None and math.isfinite(float(v)) else None
+
+    rel = num(f"{ENGINE_DIFF}/rel_rise")
+    if rel is not None and rel > 0:
+        changes["diff_rise_ratio"] = t.diff_rise_ratio + rel
+        if t.staleness_rise_ratio is None:
+            changes["staleness_rise_ratio"] = t.diff_rise_ratio
+        notes.append(f"rising = last/first quarter > {t.diff_rise_ratio + rel:.4g} "
+                     f"(the seed's {t.diff_rise_ratio:.4g} + the reference's own rise "
+                     f"{rel:.4g} of {ENGINE_DIFF})")
+    upd = next((v for v in (num(k) for k in UPDATE_KL) if v is not None), None)
+    if upd is not None and lag > 0 and lag * upd > t.kl_healthy:
+        changes["staleness_kl_max"] = lag * upd
+        notes.append(f"is/staleness/kl_k1 bound {lag * upd:.4g} = lag {lag} × the reference's "
+                     f"update KL {upd:.4g} (the seed's {t.kl_healthy:.4g} is below one update)")
+    fields = {"mismatch/engine/kl_k1": "kl_engine",
+              "mismatch/engine/probs_pearson": "pearson_broken",
+              "mismatch/engine/ppl_ratio": "ppl_ratio_tolerance",
+              "mismatch/engine/probs_abs_diff/max": "probs_diff_max_large"}
+    for key, ideal in ENGINE_AGREEMENT:
+        v, sd = num(key), num(f"{key}/sd")
+        if v is None or sd is None:
+            continue
+        d = abs(v - ideal)
+        limit = max(1.5 * d, d + 3 * sd)
+        name = fields[key]
+        value = 1.0 - limit if key.endswith("probs_pearson") else limit
+        changes[name] = value
+        notes.append(f"{name} {value:.4g} from the reference's {key} {v:.4g} "
+                     f"(sd {sd:.3g}): deviation limit max(1.5 × {d:.3g}, {d:.3g} + 3 sd)")
+    if "pearson_broken" in changes:
+        changes["pearson_healthy"] = min(t.pearson_healthy, changes["pearson_broken"])
+    if "kl_engine" in changes:
+        changes["kl_healthy"] = max(t.kl_healthy, changes["kl_engine"])
+        if "staleness_kl_max" not in changes:
+            changes["staleness_kl_max"] = t.kl_healthy
+    return replace(t, **changes), tuple(notes)
 
 
 @dataclass(frozen=True)
@@ -347,14 +439,16 @@ def diagnose(
     stale = _get(metrics, "staleness_kl")
     stale_series = series("staleness_kl")
     stale_rising: Evidence | None = None
+    stale_rise = t.diff_rise_ratio if t.staleness_rise_ratio is None else t.staleness_rise_ratio
     if stale_series:
         first, last = _quarter_means(stale_series[1])
-        if first > 0 and last > t.diff_rise_ratio * first:
+        if first > 0 and last > stale_rise * first:
             stale_rising = Evidence(f"{stale_series[0]} last/first quarter", last / first, ">",
-                                    t.diff_rise_ratio)
+                                    stale_rise)
+    stale_max = t.kl_healthy if t.staleness_kl_max is None else t.staleness_kl_max
     if stale_series is None or stale_rising is not None:
-        if stale and stale[1] > t.kl_healthy:
-            add("B", Evidence(stale[0], stale[1], ">", t.kl_healthy))
+        if stale and stale[1] > stale_max:
+            add("B", Evidence(stale[0], stale[1], ">", stale_max))
         stale_p99 = _get(metrics, "staleness_ratio_p99")
         if stale_p99 and stale_p99[1] > t.staleness_ratio_p99:
             add("B", Evidence(stale_p99[0], stale_p99[1], ">", t.staleness_ratio_p99))

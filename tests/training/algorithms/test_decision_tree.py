@@ -227,3 +227,31 @@ def test_b_with_ess_and_a_stable_reward_is_information_only():
     low = diagnose({**metrics, "is/combined/ess": 0.4},
                    history={**rising, "rollout/reward_mean": [0.5] * 8})
     assert "B" in low.causes
+
+
+def test_calibrated_takes_each_threshold_from_the_reference_by_its_rule():
+    from training.algorithms.decision_tree import calibrated
+
+    ref = {"mismatch/engine/logprob_abs_diff/mean/rel_rise": 0.4,
+           "policy/update_kl": 0.03,
+           "mismatch/engine/kl_k1": 0.002, "mismatch/engine/kl_k1/sd": 0.001,
+           "mismatch/engine/probs_pearson": 0.996, "mismatch/engine/probs_pearson/sd": 0.002}
+    t, notes = calibrated(ref, lag=2)
+    assert t.diff_rise_ratio == pytest.approx(1.9)        # the seed's 1.5 + the reference's 0.4
+    assert t.staleness_rise_ratio == pytest.approx(1.5)   # a sync reference has no staleness rise
+    assert t.staleness_kl_max == pytest.approx(0.06)      # lag 2 × one update's KL 0.03
+    assert t.kl_engine == pytest.approx(0.005)            # max(1.5 × 0.002, 0.002 + 3 × 0.001)
+    assert t.pearson_broken == pytest.approx(0.99)        # 1 − max(1.5 × 0.004, 0.004 + 0.006)
+    assert t.pearson_healthy == pytest.approx(0.99)       # min(0.99, pearson_broken)
+    assert t.kl_healthy == pytest.approx(0.02)            # max(0.02, kl_engine)
+    # no spread for the PPL ratio or max |Δp| in the reference: the seed's values stay
+    assert (t.ppl_ratio_tolerance, t.probs_diff_max_large) == (0.05, 0.5)
+    assert len(notes) == 4 and any("lag 2 × the reference's update KL 0.03" in n for n in notes)
+    # tighter than the seed: an engine KL of 0.01 is A on this pair, not under the seed's 0.05
+    m = {"mismatch/engine/exact": 1.0, "mismatch/engine/kl_k1": 0.01}
+    assert diagnose(m).causes == () and diagnose(m, t).causes == ("A",)
+    # below one update's KL a staleness KL of 0.05 at lag 2 is the lag, not B
+    s = {"is/staleness/kl_k1": 0.05}
+    assert diagnose(s).causes == ("B",) and diagnose(s, t).causes == ()
+    # nothing in the reference: the seed's thresholds, no notes
+    assert calibrated({}) == (Thresholds(), ())
