@@ -93,6 +93,22 @@ def _run(cmd: list[str], what: str) -> None:
         pytest.fail(f"{what} failed (exit {out.returncode}): {tail}", pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module (FACTS.md: start Ray once, not per test), loopback-only,
+    2 CPUs (two rank bundles for Megatron's world size 2), reaped with this process. Shut down at
+    the module's end: a later module that starts its own Ray would fail beside a session-wide one.
+    (tests/training/runtime overrides it to give the module its own ``ASYNCRL_HOME`` first.)"""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from training.ray_setup import init_ray
+
+    init_ray(num_cpus=2)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> str:
     """The SQLAlchemy URL of a PostgreSQL server (no database part) for this test session."""

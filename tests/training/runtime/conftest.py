@@ -27,13 +27,8 @@ def module_home(tmp_path_factory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def ray_session(module_home):
-    """One local Ray for the module, loopback-only and reaped with this process."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    from training.ray_setup import init_ray
-
-    init_ray(num_cpus=2)
-    yield ray
-    ray.shutdown()
+def ray_session(module_home, ray_session):
+    """The suite's one-Ray-per-module fixture (tests/conftest.py), started after ``module_home``
+    (fixtures of one scope set up in argument order): the runtime's actors and warm starts then
+    see the module's own ``ASYNCRL_HOME``."""
+    return ray_session

@@ -16,22 +16,6 @@ from training.engines.megatron.engine import MegatronSettings, MegatronTrainEngi
 from training.engines.train import SnapshotUnavailableError, StepConfig
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray for the module (FACTS.md: start Ray once, not per test); 2 CPUs = two
-    rank bundles."""
-    import os
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    from training.ray_setup import init_ray
-
-    init_ray(num_cpus=2)  # loopback-only, reaped with this process
-    yield ray
-    ray.shutdown()
-
-
 def _parity_step(mg, emb, meg, batch, **kw):
     """One train step on both engines with ``StepConfig(**kw)`` (pickled to the rank actors);
     returns (embedded metrics, megatron metrics)."""
