@@ -93,6 +93,14 @@ def _run(cmd: list[str], what: str) -> None:
         pytest.fail(f"{what} failed (exit {out.returncode}): {tail}", pytrace=False)
 
 
+@pytest.fixture
+def fresh_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``ASYNCRL_HOME`` set to a new ``tmp_path/home`` for the test (warm starts and state are
+    the test's own), restored afterwards."""
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray for the module (FACTS.md: start Ray once, not per test), loopback-only,

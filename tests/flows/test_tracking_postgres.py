@@ -23,11 +23,6 @@ from ui import services_cli
 
 
 @pytest.fixture
-def home(services_home: Path) -> Path:
-    return services_home
-
-
-@pytest.fixture
 def pg(postgres_db: str) -> str:
     """The fresh database's URI as users write it: ``postgresql://postgres@127.0.0.1:PORT/db``."""
     assert postgres_db.startswith("postgresql+psycopg://")
@@ -67,7 +62,7 @@ def test_bare_postgresql_uri_uses_psycopg3_and_passwords_are_redacted() -> None:
     assert redact_uri("postgresql://u@h/db") == "postgresql://u@h/db"
 
 
-def test_up_option_and_env_choose_the_served_store(home: Path,
+def test_up_option_and_env_choose_the_served_store(services_home: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     url = "postgresql://asyncrl:s3cret@db.example:5432/mlflow"
     served = "postgresql+psycopg://asyncrl:s3cret@db.example:5432/mlflow"
@@ -76,28 +71,29 @@ def test_up_option_and_env_choose_the_served_store(home: Path,
     assert spec["store"] == "postgresql+psycopg://asyncrl:***@db.example:5432/mlflow"
     assert not any("s3cret" in part for part in spec["command"])  # not visible in `ps`
     artifacts = spec["command"][spec["command"].index("--default-artifact-root") + 1]
-    assert artifacts == (home / "mlflow" / "artifacts").as_uri()
+    assert artifacts == (services_home / "mlflow" / "artifacts").as_uri()
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
     assert services_cli._mlflow_store() == served
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert services_cli._mlflow_store() == f"sqlite:///{home}/mlflow/mlflow.db"
+    assert services_cli._mlflow_store() == f"sqlite:///{services_home}/mlflow/mlflow.db"
     assert services_cli._mlflow_store(url) == served
 
 
-def test_tracker_on_a_fresh_postgres_database(home: Path, pg: str, tmp_path: Path,
+def test_tracker_on_a_fresh_postgres_database(services_home: Path, pg: str, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", pg)
     tracker = Tracker()
     assert tracker.client is not None, tracker.error
     assert tracker.tracking_uri == pg
-    assert tracker.artifact_root == (home / "mlflow" / "artifacts").as_uri()
+    assert tracker.artifact_root == (services_home / "mlflow" / "artifacts").as_uri()
 
     exp = tracker.experiment("asyncrl/pg-campaign")
     assert exp is not None
     assert tracker.experiment("asyncrl/pg-campaign") == exp
     location = tracker.client.get_experiment(exp).artifact_location
-    assert location.startswith(f"{(home / 'mlflow' / 'artifacts').as_uri()}/asyncrl_pg-campaign-")
+    artifacts = (services_home / "mlflow" / "artifacts").as_uri()
+    assert location.startswith(f"{artifacts}/asyncrl_pg-campaign-")
 
     parent = tracker.start_campaign_run(exp, "camp-pg", "pg campaign", tags={"owner": "ci"})
     assert parent is not None
@@ -130,13 +126,13 @@ def test_tracker_on_a_fresh_postgres_database(home: Path, pg: str, tmp_path: Pat
                 r=child)
     assert rows == [("policy/loss", s, pytest.approx(1.0 / (s + 1))) for s in range(5)] + \
         [("rollout/reward_mean", s, 0.25 * s) for s in range(5)]
-    assert not (home / "mlflow" / "mlflow.db").exists()
+    assert not (services_home / "mlflow" / "mlflow.db").exists()
 
     report = {"verdict": "pass", "score": 0.75, "gates": ["kl", "reward"]}
     tracker.log_dict(child, report, "gates/report.json")
     local = client.download_artifacts(child, "gates/report.json", str(tmp_path))
     assert json.loads(Path(local).read_text()) == report
-    assert list((home / "mlflow" / "artifacts").rglob("report.json"))
+    assert list((services_home / "mlflow" / "artifacts").rglob("report.json"))
 
     ckpt = tmp_path / "hf"
     ckpt.mkdir()
@@ -161,7 +157,7 @@ def test_tracker_on_a_fresh_postgres_database(home: Path, pg: str, tmp_path: Pat
     assert client.get_run(child).info.status == "FINISHED"
 
 
-def test_up_serves_the_postgres_store(home: Path, postgres_db: str, tmp_path: Path,
+def test_up_serves_the_postgres_store(services_home: Path, postgres_db: str, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     app = typer.Typer()
     services_cli.register(app)
@@ -176,7 +172,7 @@ def test_up_serves_the_postgres_store(home: Path, postgres_db: str, tmp_path: Pa
     assert r.exit_code == 0, r.output
     assert f"store {pg})" in r.stdout
     assert f"export MLFLOW_TRACKING_URI={base}" in r.stdout
-    entry = json.loads((home / "services.json").read_text())["mlflow"]
+    entry = json.loads((services_home / "services.json").read_text())["mlflow"]
     assert entry["store"] == pg
     again = runner.invoke(app, ["up", "--no-prefect", "--mlflow-port", str(port),
                                 "--mlflow-backend-store-uri", f"sqlite:///{tmp_path}/x.db"])
@@ -213,8 +209,8 @@ def test_up_serves_the_postgres_store(home: Path, postgres_db: str, tmp_path: Pa
     assert _history(client, run_id, "rollout/reward_mean") == [(0, 0.5), (1, 1.5), (2, 2.5)]
     assert _sql(pg, "SELECT step, value FROM metrics WHERE run_uuid = :r ORDER BY step",
                 r=run_id) == [(0, 0.5), (1, 1.5), (2, 2.5)]
-    artifacts = (home / "mlflow" / "artifacts").as_uri()
+    artifacts = (services_home / "mlflow" / "artifacts").as_uri()
     assert client.get_experiment(exp).artifact_location.startswith(artifacts + "/")
     local = client.download_artifacts(run_id, "gates/report.json", str(tmp_path))
     assert json.loads(Path(local).read_text()) == {"verdict": "pass"}
-    assert not (home / "mlflow" / "mlflow.db").exists()
+    assert not (services_home / "mlflow" / "mlflow.db").exists()

@@ -28,11 +28,6 @@ def cli() -> typer.Typer:
     return app
 
 
-@pytest.fixture
-def home(services_home: Path) -> Path:
-    return services_home
-
-
 def _one_error_line(result) -> str:
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
@@ -44,52 +39,52 @@ def _one_error_line(result) -> str:
 # --- up / down ----------------------------------------------------------------------------------
 
 
-def test_up_mlflow_then_down(cli, home: Path) -> None:
+def test_up_mlflow_then_down(cli, services_home: Path) -> None:
     port = free_port()
     r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
     assert r.exit_code == 0, r.output
     assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in r.stdout
-    record = json.loads((home / "services.json").read_text())
+    record = json.loads((services_home / "services.json").read_text())
     assert set(record) == {"mlflow"}
     entry = record["mlflow"]
     pid = entry["pid"]
     assert entry["port"] == port and entry["url"] == f"http://127.0.0.1:{port}"
     assert "--workers" in entry["command"] and "127.0.0.1" in entry["command"]
-    assert (home / "logs" / "mlflow-server.log").is_file()
+    assert (services_home / "logs" / "mlflow-server.log").is_file()
     assert services_cli.answers(f"http://127.0.0.1:{port}/health")
     assert os.getpgid(pid) == pid  # its own process group: `down` signals only that
 
     again = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
     assert again.exit_code == 0, again.output
     assert "already running" in again.stdout
-    assert json.loads((home / "services.json").read_text())["mlflow"]["pid"] == pid
+    assert json.loads((services_home / "services.json").read_text())["mlflow"]["pid"] == pid
 
     r = runner.invoke(cli, ["down"])
     assert r.exit_code == 0, r.output
     assert "mlflow: stopped" in r.stdout
     assert not services_cli._pid_alive(pid)
     assert not services_cli._group_alive(pid)
-    assert not (home / "services.json").exists()
+    assert not (services_home / "services.json").exists()
     assert not services_cli.answers(f"http://127.0.0.1:{port}/health")
 
 
-def test_down_with_nothing_recorded(cli, home: Path) -> None:
+def test_down_with_nothing_recorded(cli, services_home: Path) -> None:
     r = runner.invoke(cli, ["down"])
     assert r.exit_code == 0 and "nothing to stop" in r.stdout
 
 
-def test_down_stale_record_kills_nothing(cli, home: Path) -> None:
+def test_down_stale_record_kills_nothing(cli, services_home: Path) -> None:
     # PID 1 with a start time that is not its own: never ours, never signalled
-    home.mkdir(parents=True)
-    (home / "services.json").write_text(json.dumps(
+    services_home.mkdir(parents=True)
+    (services_home / "services.json").write_text(json.dumps(
         {"mlflow": {"pid": 1, "pgid": 1, "proc_start": "-1", "port": 1}}))
     r = runner.invoke(cli, ["down"])
     assert r.exit_code == 0, r.output
     assert "stale record" in r.stdout
-    assert not (home / "services.json").exists()
+    assert not (services_home / "services.json").exists()
 
 
-def test_up_busy_port(cli, home: Path) -> None:
+def test_up_busy_port(cli, services_home: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -97,10 +92,10 @@ def test_up_busy_port(cli, home: Path) -> None:
         r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
     line = _one_error_line(r)
     assert str(port) in line and "--mlflow-port" in line
-    assert not (home / "services.json").exists()
+    assert not (services_home / "services.json").exists()
 
 
-def test_up_server_exits_early(cli, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_server_exits_early(cli, services_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = services_cli.service_spec
 
     def failing(name: str, port: int):
@@ -111,19 +106,19 @@ def test_up_server_exits_early(cli, home: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(services_cli, "service_spec", failing)
     r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(free_port())])
     line = _one_error_line(r)
-    assert "exited" in line and str(home / "logs" / "mlflow-server.log") in line
-    assert "boom" in (home / "logs" / "mlflow-server.log").read_text()
-    assert not (home / "services.json").exists()
+    assert "exited" in line and str(services_home / "logs" / "mlflow-server.log") in line
+    assert "boom" in (services_home / "logs" / "mlflow-server.log").read_text()
+    assert not (services_home / "services.json").exists()
 
 
-def test_up_nothing_to_start(cli, home: Path) -> None:
+def test_up_nothing_to_start(cli, services_home: Path) -> None:
     _one_error_line(runner.invoke(cli, ["up", "--no-prefect", "--no-mlflow"]))
 
 
 # --- deploy -------------------------------------------------------------------------------------
 
 
-def test_deploy_malformed_campaign(cli, home: Path, tmp_path: Path) -> None:
+def test_deploy_malformed_campaign(cli, services_home: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
     line = _one_error_line(runner.invoke(cli, ["deploy", str(bad)]))
@@ -139,7 +134,7 @@ def _campaign(tmp_path: Path) -> Path:
     return path
 
 
-def test_deploy_needs_prefect_server(cli, home: Path, tmp_path: Path,
+def test_deploy_needs_prefect_server(cli, services_home: Path, tmp_path: Path,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     path = _campaign(tmp_path)
     line = _one_error_line(runner.invoke(cli, ["deploy", str(path)]))
@@ -194,7 +189,7 @@ def two_runs(tmp_path: Path) -> tuple[Path, Path]:
     return a, b
 
 
-def test_compare_table(cli, home: Path, two_runs) -> None:
+def test_compare_table(cli, services_home: Path, two_runs) -> None:
     a, b = two_runs
     r = runner.invoke(cli, ["compare", str(a), str(b)])
     assert r.exit_code == 0, r.output
@@ -206,7 +201,7 @@ def test_compare_table(cli, home: Path, two_runs) -> None:
     assert "optim.betas.0" not in out and "MLflow:" not in out
 
 
-def test_compare_json(cli, home: Path, two_runs) -> None:
+def test_compare_json(cli, services_home: Path, two_runs) -> None:
     a, b = two_runs
     r = runner.invoke(cli, ["compare", str(a), str(b), "--json"])
     assert r.exit_code == 0, r.output
@@ -224,7 +219,7 @@ def test_compare_json(cli, home: Path, two_runs) -> None:
     assert data["mlflow_compare_url"] is None
 
 
-def test_links_resolve_on_a_running_mlflow_server(cli, home: Path, two_runs,
+def test_links_resolve_on_a_running_mlflow_server(cli, services_home: Path, two_runs,
                                                  monkeypatch) -> None:
     """`compare`'s link, a run's link and the "where to look" hint, against a real MLflow server
     (`asyncrl up`): the link's base serves the UI, and every run and experiment it names exists
@@ -274,7 +269,7 @@ def test_links_resolve_on_a_running_mlflow_server(cli, home: Path, two_runs,
         assert runner.invoke(cli, ["down"]).exit_code == 0
 
 
-def test_compare_missing_run_dir(cli, home: Path, two_runs, tmp_path: Path) -> None:
+def test_compare_missing_run_dir(cli, services_home: Path, two_runs, tmp_path: Path) -> None:
     a, _ = two_runs
     line = _one_error_line(runner.invoke(cli, ["compare", str(a), str(tmp_path / "nope")]))
     assert "nope" in line

@@ -8,9 +8,7 @@ runner = CliRunner()
 TINY = ["--steps", "2", "--batch-size", "4", "--eval-n", "8", "--task-arg", "max_k=2"]
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def one_line_error(res, fragment):

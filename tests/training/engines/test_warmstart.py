@@ -27,9 +27,8 @@ TINY = WarmStartConfig(task_args=(("max_k", 3),), hidden_size=32, num_layers=2, 
 
 
 @pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+def home(fresh_home):
+    return fresh_home
 
 
 def events_of(run):

@@ -18,9 +18,7 @@ TINY = WarmStartConfig(task_args=(("max_k", 3),), hidden_size=32, num_layers=2, 
                        warmup_steps=1, eval_n=12, eval_batch_size=16)
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("fresh_home")
 
 
 def losses_of(cfg: WarmStartConfig, steps: int = 2) -> list[float]:
