@@ -27,7 +27,7 @@ import pytest
 from registry.campaign import load_campaign
 from registry.gates import evaluate_gates, summarize
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STEPS = 300
 EVAL_N = 240.0
 LP, EN = "mismatch/train_rollout/logprob_abs_diff/mean", "policy/entropy/mean"

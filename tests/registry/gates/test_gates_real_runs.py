@@ -1,5 +1,5 @@
 """The gates and the decision tree on real runs (issue 26): the stress testbed's histories in
-``histories/`` (how each was made: its README), each gate failing on a run that has its problem
+``tests/registry/histories/`` (how each was made: its README), each gate failing on a run that has its problem
 and passing on one that does not. Pairs share a warm start: ``sync``/``one``,
 ``sync-1e4``/``one-1e4``, ``g16-sync``/``g16-one``."""
 
@@ -12,7 +12,7 @@ import pytest
 from registry.gates import diagnosis_for, evaluate_gate, summarize
 from training.runtime.sinks import read_metrics
 
-HERE = Path(__file__).parent / "histories"
+HERE = Path(__file__).parents[1] / "histories"
 LP = "mismatch/train_rollout/logprob_abs_diff/mean"
 ONE_STEP = {"max_staleness": 1, "candidates": 6}
 

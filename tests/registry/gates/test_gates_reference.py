@@ -5,7 +5,7 @@ from pathlib import Path
 from registry.gates import gate_names
 from registry.gates.reference import markdown
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "gates.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "gates.md"
 
 
 def test_the_checked_in_page_is_the_generated_one():
