@@ -1,5 +1,7 @@
 """The campaign flow (Prefect 3): stages run in order; each candidate is trained, judged and the
-winner promoted before the next stage starts from it (DESIGN.md "The data that flows").
+winner promoted before the next stage starts from it (DESIGN.md "The data that flows"). The flow
+runs under the campaign's launch (:mod:`flows.launch`: loaded, recorded and leased once) and
+returns its :class:`~flows.results.CampaignOutcome`.
 
 Tasks:
 
@@ -50,15 +52,22 @@ from flows.events import (
     PromotedEvent,
     StageEvent,
 )
+from flows.launch import Launch, launched
 from flows.plot_queue import PlotQueue
-from flows.results import CandidateOutcome, GateReport, PromotionResult, TrainedRun
+from flows.results import (
+    CampaignOutcome,
+    CandidateOutcome,
+    GateReport,
+    Promoted,
+    PromotionResult,
+    TrainedRun,
+)
 from flows.tracking import TrackedRun
 from registry.campaign import (
     Campaign,
     GateSpec,
     Stage,
     StartingPoint,
-    load_campaign,
     reference_name,
     seed_name,
     seeded,
@@ -69,7 +78,6 @@ from training.fileio import atomic_write_text
 from training.paths import state_dir
 
 if TYPE_CHECKING:
-    from registry.ownership import CampaignLease
     from training.recipe import Recipe
 
 log = logging.getLogger("asyncrl.campaign")
@@ -84,7 +92,7 @@ def _to_listeners(event: CampaignEvent) -> None:
         fn(event)
 
 __all__ = ["CampaignOutcome", "campaign_flow", "flow_result", "new_campaign_id",
-           "run_campaign"]
+           "run_campaign", "run_stages"]
 
 
 def new_campaign_id(name: str) -> str:
@@ -93,19 +101,6 @@ def new_campaign_id(name: str) -> str:
 
 def campaign_dir(campaign_id: str) -> Path:
     return state_dir() / "campaigns" / campaign_id
-
-
-@dataclass
-class CampaignOutcome:
-    """What a campaign left: status (finished | stopped | failed), the verdict, per-stage
-    promotions and the MLflow parent run."""
-
-    campaign_id: str
-    status: str
-    verdict: str
-    promoted: dict[str, dict[str, Any]] = field(default_factory=dict)
-    diagnosis: dict[str, Any] | None = None
-    mlflow_run_id: str | None = None
 
 
 def _emit(events: EventFn | None, event: CampaignEvent) -> None:
@@ -326,59 +321,59 @@ def _choose(stage: Stage, outcomes: list[CandidateOutcome]
 
 @flow(name="asyncrl-campaign", log_prints=False)
 def campaign_flow(campaign_path: str, campaign_id: str, registry_url: str | None = None,
-                  tracking_uri: str | None = None) -> dict[str, Any]:
-    """Run (or continue) the campaign in ``campaign_path`` under ``campaign_id``."""
-    out = run_campaign(Path(campaign_path), campaign_id, registry_url=registry_url,
-                       tracking_uri=tracking_uri, events=_to_listeners)
-    return flow_result(out)
+                  tracking_uri: str | None = None) -> Any:
+    """Run (or continue) the campaign in ``campaign_path`` under ``campaign_id``: launched once
+    (:func:`flows.launch.launched`: the launch the CLI opened before it started Prefect, else
+    one made here), then its stages in order (:func:`run_stages`)."""
+    with launched(campaign_path, campaign_id, registry_url=registry_url) as launch:
+        outcome = run_stages(launch, tracking_uri=tracking_uri, events=_to_listeners)
+    return flow_result(outcome)
+
+
+def run_stages(launch: Launch, *, tracking_uri: str | None = None,
+               events: EventFn | None = None) -> CampaignOutcome:
+    """The stages of a launched campaign, in order, while this process owns it: each continues
+    from its earlier promotion or is trained, judged and promoted; the first stage with no
+    passing candidate stops the campaign. An exception marks the campaign failed (stopped on
+    Ctrl-C), with the resume command, and ends its MLflow run before it propagates."""
+    fl = _Flow.start(launch, tracking_uri=tracking_uri, events=events)
+    ladder = _Ladder(dict(launch.base), CampaignOutcome(launch.campaign_id, "running", "",
+                                                        mlflow_run_id=fl.parent.id))
+    try:
+        for index, stage in enumerate(launch.campaign.stages):
+            if not (fl.stage_done_before(index, stage, ladder)
+                    or fl.run_stage(index, stage, ladder)):
+                break
+        fl.finish(ladder)
+    except BaseException as e:
+        fl.abort(e)
+        raise
+    return ladder.outcome
 
 
 def flow_result(outcome: CampaignOutcome) -> Any:
-    """What a campaign flow returns: the outcome (a dict) when every stage promoted; for a
+    """What a campaign flow returns: the :class:`CampaignOutcome` when every stage promoted; for a
     campaign that stopped with no passing candidate, a Prefect ``Failed`` state carrying the
-    same dict, with the verdict as its message — so the flow run ends Failed in the Prefect UI
-    and automations and alerts on failed runs fire. Call the flow with ``return_state=True``
-    and read the dict with ``state.result(raise_on_failure=False)``."""
-    data = dict(outcome.__dict__)
+    same outcome, with the verdict as its message — so the flow run ends Failed in the Prefect
+    UI and automations and alerts on failed runs fire. Call the flow with ``return_state=True``
+    and read the outcome with ``state.result(raise_on_failure=False)``."""
     if outcome.status == "finished":
-        return data
+        return outcome
     from prefect.states import Failed
 
-    return Failed(message=outcome.verdict, data=data)
+    return Failed(message=outcome.verdict, data=outcome)
 
 
 def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | None = None,
-                 tracking_uri: str | None = None, events: EventFn | None = None
-                 ) -> CampaignOutcome:
-    """The body of :func:`campaign_flow` (call it inside a flow run). Raises
-    :class:`registry.db.CampaignOwnedError` when another live process runs this campaign."""
-    from registry.db import RegistryDB
-    from registry.ownership import CampaignLease
-
-    campaign, base = load_campaign(campaign_path)
-    with RegistryDB(registry_url) as db:
-        record_campaign(db, campaign, base, campaign_path, campaign_id)
-        # one owner: a second launch/resume is refused here, before it writes anything (the
-        # CLI takes the same lease before it starts Prefect; it is re-entrant)
-        with CampaignLease(db, campaign_id) as lease:
-            return _run_owned(campaign, base, Path(campaign_path), campaign_id, db, lease,
-                              registry_url=registry_url, tracking_uri=tracking_uri,
-                              events=events)
-
-
-def record_campaign(db: Any, campaign: Campaign, base: dict[str, Any], campaign_path: Path,
-                    campaign_id: str) -> None:
-    """Record the campaign under ``campaign_id`` in the registry (idempotent; a different
-    campaign file under an existing id is a ``RegistryError``)."""
-    from training.recipe import recipe_from_dict
-
-    # identity of a campaign id: the file's content and the base recipe's hash (not its full
-    # data: defaults a newer asyncrl adds, or an unused backend's settings, must not make a
-    # resume after an upgrade look like a different campaign)
-    db.create_campaign(campaign_id, campaign.name, {
-        "campaign": campaign.model_dump(mode="json", exclude_defaults=True),
-        "base_recipe_hash": recipe_from_dict(base, "base").hash(),
-        "path": str(Path(campaign_path).resolve())})
+                 tracking_uri: str | None = None, events: EventFn | None = None,
+                 loaded: tuple[Campaign, dict[str, Any]] | None = None) -> CampaignOutcome:
+    """:func:`campaign_flow`'s work without a flow run of its own (call it inside one: the
+    deployment's flow does): the campaign launched once — the launch open in this process, else
+    one of ``loaded`` (what :func:`~registry.campaign.load_campaign` returned) or of the file —
+    then its stages. Raises :class:`registry.db.CampaignOwnedError` when another live process
+    runs this campaign."""
+    with launched(campaign_path, campaign_id, registry_url=registry_url, loaded=loaded) as launch:
+        return run_stages(launch, tracking_uri=tracking_uri, events=events)
 
 
 @dataclass
@@ -395,15 +390,15 @@ class _Ladder:
     promoted_recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
     plot_stages: list[dict[str, Any]] = field(default_factory=list)
 
-    def promoted(self, stage: str, recipe: Recipe, checkpoint: str, reference: dict[str, float],
-                 record: dict[str, Any]) -> None:
-        """Stage ``stage`` promoted ``recipe`` with its final ``checkpoint``: the next stage
-        starts there, and compares against ``reference`` (the promoted run's summary)."""
+    def promoted(self, stage: str, recipe: Recipe, reference: dict[str, float],
+                 promotion: Promoted) -> None:
+        """Stage ``stage`` promoted ``recipe`` (``promotion``): the next stage starts from its
+        checkpoint, and compares against ``reference`` (the promoted run's summary)."""
         self.references[stage] = reference
         self.current = recipe.to_dict()
         self.promoted_recipes[stage] = self.current
-        self.start = StartingPoint(checkpoint, recipe)
-        self.outcome.promoted[stage] = record
+        self.start = StartingPoint(promotion.checkpoint, recipe)
+        self.outcome.promoted[stage] = promotion
 
 
 @dataclass
@@ -419,6 +414,39 @@ class _Flow:
     registry_url: str | None
     tracking_uri: str | None
     events: EventFn | None
+
+    @classmethod
+    def start(cls, launch: Launch, *, tracking_uri: str | None,
+              events: EventFn | None) -> _Flow:
+        """The campaign marked running, its MLflow parent run (continued after a crash, and
+        tagged so), Ray, and the plot worker with the plots a killed run of it left due."""
+        from flows.tracking import Tracker
+
+        launch.db.set_campaign_status(launch.campaign_id, "running")
+        tracker = Tracker(tracking_uri)
+        name = launch.campaign.name
+        parent = tracker.campaign_run(f"asyncrl/{name}", launch.campaign_id, name,
+                                      tags={"asyncrl.campaign_file": str(launch.path)})
+        lease = launch.lease
+        if lease.previous is not None:  # the parent run of a crash, continued: say so
+            parent.set_tags({"asyncrl.recovered_from_crash": (
+                f"owner {lease.previous.describe} died; resumed by "
+                f"{lease.identity.describe()}")})
+        _start_ray()
+        plots = PlotQueue(tracker)
+        plots.recover(campaign_dir(launch.campaign_id))
+        return cls(launch.campaign, launch.campaign_id, launch.db, parent, plots,
+                   launch.registry_url, tracking_uri, events)
+
+    def abort(self, error: BaseException) -> None:
+        """An exception ends the run: the campaign is failed (stopped on Ctrl-C) with the
+        resume command as its verdict, and its MLflow run ends so."""
+        status = "failed" if not isinstance(error, KeyboardInterrupt) else "stopped"
+        self.db.set_campaign_status(
+            self.campaign_id, status,
+            verdict=f"{type(error).__name__}: {str(error)[:500]}; resume with "
+                    f"asyncrl campaign resume {self.campaign_id}")
+        self.parent.end("KILLED" if status == "stopped" else "FAILED")
 
     def stage_done_before(self, index: int, stage: Stage, ladder: _Ladder) -> bool:
         """Continue from the stage's promotion when an earlier run of the campaign promoted
@@ -440,10 +468,8 @@ class _Flow:
         recipe = recipe_from_dict(yaml.safe_load(recipe_row.yaml),
                                   f"registry recipe {done.recipe_hash}")
         history = read_metrics(Path(run_row.run_dir) / "metrics.jsonl")
-        ladder.promoted(stage.name, recipe, done.checkpoint, summarize(history), {
-            "candidate": done.candidate, "recipe_hash": done.recipe_hash,
-            "checkpoint": done.checkpoint, "promotion_id": done.id,
-            "mlflow_version": done.mlflow_version})
+        ladder.promoted(stage.name, recipe, summarize(history), Promoted(
+            done.candidate, done.recipe_hash, done.checkpoint, done.id, done.mlflow_version))
         ladder.plot_stages.append({"stage": stage.name, "candidates": [
             {"candidate": done.candidate, "history": history, "passed": True,
              "promoted": True}]})
@@ -544,12 +570,9 @@ class _Flow:
                         mlflow_run_id=winner.mlflow_run_id, tracking_uri=self.tracking_uri)
         reached(f"promoted:{stage.name}")
         self.db.upsert_stage(self.campaign_id, stage.name, index, "finished")
-        ladder.promoted(stage.name, winner.recipe, winner.run.final_hf,
-                        winner.report.summary_for_reference, {
-                            "candidate": winner.candidate, "recipe_hash": winner.recipe_hash,
-                            "checkpoint": winner.run.final_hf,
-                            "promotion_id": promo.promotion_id,
-                            "mlflow_version": promo.mlflow_version})
+        ladder.promoted(stage.name, winner.recipe, winner.report.summary_for_reference,
+                        Promoted(winner.candidate, winner.recipe_hash, winner.run.final_hf,
+                                 promo.promotion_id, promo.mlflow_version))
         _emit(self.events, PromotedEvent(stage.name, winner.candidate))
 
     def finish(self, ladder: _Ladder) -> None:
@@ -563,7 +586,7 @@ class _Flow:
             last = self.campaign.stages[-1].name
             outcome.status = "finished"
             outcome.verdict = (f"all {len(self.campaign.stages)} stages promoted; champion: "
-                               f"{last}/{outcome.promoted[last]['candidate']}")
+                               f"{last}/{outcome.promoted[last].candidate}")
             self.db.set_campaign_status(self.campaign_id, "finished", verdict=outcome.verdict)
         if self.parent.id is not None:
             try:
@@ -612,45 +635,6 @@ class _Flow:
                                           samples_trained=report.samples_trained))
         return CandidateOutcome(candidate=name, recipe=recipe, recipe_hash=rhash, run=run,
                                 report=report, mlflow_run_id=child.id)
-
-
-def _run_owned(campaign: Campaign, base: dict[str, Any], campaign_path: Path, campaign_id: str,
-               db: Any, lease: CampaignLease, *, registry_url: str | None,
-               tracking_uri: str | None, events: EventFn | None) -> CampaignOutcome:
-    """The stages of :func:`run_campaign`, run while this process owns the campaign: each stage
-    continues from its earlier promotion or is trained, judged and promoted; the first stage
-    with no passing candidate stops the campaign."""
-    from flows.tracking import Tracker
-
-    db.set_campaign_status(campaign_id, "running")
-    tracker = Tracker(tracking_uri)
-    parent = tracker.campaign_run(
-        f"asyncrl/{campaign.name}", campaign_id, campaign.name,
-        tags={"asyncrl.campaign_file": str(campaign_path)})
-    if lease.previous is not None:  # the parent run of a crash, continued: say so
-        parent.set_tags({"asyncrl.recovered_from_crash": (
-            f"owner {lease.previous.describe} died; resumed by "
-            f"{lease.identity.describe()}")})
-    _start_ray()
-    plots = PlotQueue(tracker)
-    plots.recover(campaign_dir(campaign_id))  # plots a killed run of this campaign left due
-    fl = _Flow(campaign, campaign_id, db, parent, plots, registry_url, tracking_uri, events)
-    ladder = _Ladder(dict(base), CampaignOutcome(campaign_id, "running", "",
-                                                 mlflow_run_id=parent.id))
-    try:
-        for index, stage in enumerate(campaign.stages):
-            if not (fl.stage_done_before(index, stage, ladder)
-                    or fl.run_stage(index, stage, ladder)):
-                break
-        fl.finish(ladder)
-    except BaseException as e:
-        status = "failed" if not isinstance(e, KeyboardInterrupt) else "stopped"
-        db.set_campaign_status(campaign_id, status,
-                               verdict=f"{type(e).__name__}: {str(e)[:500]}; resume with "
-                                       f"asyncrl campaign resume {campaign_id}")
-        parent.end("KILLED" if status == "stopped" else "FAILED")
-        raise
-    return ladder.outcome
 
 
 def _start_ray() -> None:

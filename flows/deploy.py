@@ -28,11 +28,13 @@ FLOW_NAME = "asyncrl-scheduled-campaign"
 @flow(name=FLOW_NAME, log_prints=False)
 def scheduled_campaign_flow(campaign_path: str, campaign_id: str | None = None) -> Any:
     """Run the campaign in ``campaign_path`` as a new campaign (or continue ``campaign_id``);
-    ends Failed, with the verdict as its message, when a stage has no passing candidate."""
+    ends Failed, with the verdict as its message, when a stage has no passing candidate. The
+    file is loaded once, here: its name makes the id, and the run launches what was loaded."""
     from flows import campaign as cflow
     from registry.campaign import load_campaign
 
+    campaign, base = load_campaign(campaign_path)
     if campaign_id is None:
-        campaign, _ = load_campaign(campaign_path)
         campaign_id = cflow.new_campaign_id(campaign.name)
-    return cflow.flow_result(cflow.run_campaign(Path(campaign_path), campaign_id))
+    return cflow.flow_result(cflow.run_campaign(Path(campaign_path), campaign_id,
+                                                loaded=(campaign, base)))

@@ -1,11 +1,13 @@
-"""What the campaign flow's Prefect tasks return, typed: a trained candidate run, its gate report,
-a promotion, and the outcome of training and judging one candidate. Plain dataclasses (Prefect
+"""What the campaign flow's Prefect tasks and the flow itself return, typed: a trained candidate
+run, its gate report, a promotion, the outcome of training and judging one candidate, a stage's
+promotion as the campaign reports it and the campaign's outcome. Plain dataclasses (Prefect
 persists ``run_candidate``'s result with pickle); ``GateReport.to_file`` is the
-``gate_report.json`` layout that ``asyncrl gates RUN`` reads back."""
+``gate_report.json`` layout that ``asyncrl gates RUN`` reads back, ``CampaignOutcome.to_json``
+the layout ``asyncrl campaign launch --json`` prints."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +17,8 @@ if TYPE_CHECKING:
     from registry.gates import GateResult
     from training.recipe import Recipe
 
-__all__ = ["CandidateOutcome", "GateReport", "PromotionResult", "TrainedRun"]
+__all__ = ["CampaignOutcome", "CandidateOutcome", "GateReport", "Promoted", "PromotionResult",
+           "TrainedRun"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +128,35 @@ class CandidateOutcome:
         if not ns or any(not isinstance(n, int | float) for n in ns):
             return None
         return float(sum(ns))
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """A stage's promotion as the campaign's outcome reports it: the winning candidate, its
+    recipe hash, the checkpoint the next stage starts from, the registry's promotion id and the
+    MLflow model version (None without tracking)."""
+
+    candidate: str
+    recipe_hash: str
+    checkpoint: str
+    promotion_id: int
+    mlflow_version: str | None
+
+
+@dataclass
+class CampaignOutcome:
+    """What a campaign left: status (running while its stages run, then finished | stopped),
+    the verdict, each promoted stage's :class:`Promoted` in stage order, the decision-tree
+    diagnosis of a stopped campaign (its JSON record, as the registry keeps it) and the MLflow
+    parent run."""
+
+    campaign_id: str
+    status: str
+    verdict: str
+    promoted: dict[str, Promoted] = field(default_factory=dict)
+    diagnosis: dict[str, Any] | None = None
+    mlflow_run_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The outcome as JSON data (``--json``)."""
+        return asdict(self)

@@ -36,19 +36,13 @@ HEARTBEAT_EVERY_S = 10.0
 HEARTBEAT_TTL_S = 90.0
 
 
-# Leases this process holds, by (registry URL, campaign id): a lease is re-entrant within a
-# process, so the CLI can take it before it starts Prefect (a refusal is then one line, not a
-# failed flow run) and the flow inside finds it held.
-_HELD: dict[tuple[str, str], CampaignLease] = {}
-
-
 class CampaignLease:
     """Hold the campaign's ownership for the duration of a ``with`` block.
 
     ``previous`` is the crashed owner's record when this lease took over from one (None for a
     fresh start or a clean resume). Raises :class:`registry.db.CampaignOwnedError` on entry
-    when a live process owns the campaign. Entering a lease this process already holds (an
-    outer ``with``) reuses it; only the outer one releases it."""
+    when a live process owns the campaign — this one too, under another lease: a launch takes
+    the lease once (:mod:`flows.launch`) and its flow runs under it."""
 
     def __init__(self, db: RegistryDB, campaign_id: str) -> None:
         self.db = db
@@ -57,16 +51,10 @@ class CampaignLease:
         self.previous: OwnerRecord | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._outer: CampaignLease | None = None
 
     def __enter__(self) -> CampaignLease:
-        held = _HELD.get((self.db.url, self.campaign_id))
-        if held is not None:
-            self._outer, self.identity, self.previous = held, held.identity, held.previous
-            return self
         self.previous = self.db.acquire_campaign(self.campaign_id, self.identity,
                                                  HEARTBEAT_TTL_S)
-        _HELD[(self.db.url, self.campaign_id)] = self
         self._thread = threading.Thread(target=self._beat, name="asyncrl-campaign-heartbeat",
                                         daemon=True)
         self._thread.start()
@@ -97,9 +85,6 @@ class CampaignLease:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __exit__(self, *exc: object) -> None:
-        if self._outer is not None:
-            return
-        _HELD.pop((self.db.url, self.campaign_id), None)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -111,7 +111,7 @@ class CampaignRecord(_Record):
     name: str
     """The campaign id (the registry key) and the campaign's name."""
     spec: dict[str, Any]
-    """What was recorded at launch (``flows.campaign.record_campaign``: the campaign, its base
+    """What was recorded at launch (``flows.launch.record_campaign``: the campaign, its base
     recipe's hash, ``path`` of the campaign file); a resume with another spec is refused."""
     status: str
     verdict: str | None

@@ -1,5 +1,5 @@
-"""`asyncrl campaign …`, `asyncrl registry …`, `asyncrl gates`, `asyncrl diagnose`,
-`asyncrl schema campaign`: the platform commands (lazy imports, one-line errors)."""
+"""`asyncrl campaign …` and `asyncrl schema campaign`: launch, resume and follow staged campaigns
+(Prefect flows), and read what they recorded (lazy imports, one-line errors)."""
 
 from __future__ import annotations
 
@@ -16,66 +16,21 @@ from ui.common import (
     HOST,
     answers,
     fail,
+    open_registry,
+    read_registry,
     require_state_dir,
     up_prefect_api,
 )
 
 if TYPE_CHECKING:
+    from flows.launch import Launch
+    from flows.results import CampaignOutcome
     from registry.campaign import Campaign
-    from registry.db import OwnerRecord, RegistryDB
+    from registry.db import OwnerRecord
     from training.recipe import Recipe
 
 campaign_app = typer.Typer(help="Run staged campaigns (Prefect flows) and inspect them.",
                            no_args_is_help=True)
-registry_app = typer.Typer(help="The recipe registry: promoted recipes and checkpoints.",
-                           no_args_is_help=True)
-
-
-def _db(url: str | None = None):
-    from registry.db import RegistryDB, RegistryError
-
-    try:
-        return RegistryDB(url)
-    except RegistryError as e:
-        fail(str(e))
-
-
-class _NoRegistry:
-    """The registry a read sees before the first campaign created it: nothing recorded. (The
-    read commands call only these; any other call is a bug that fails loudly.)"""
-
-    def list_campaigns(self) -> list:
-        return []
-
-    def get_campaign(self, campaign_id: str) -> None:
-        return None
-
-    def get_recipe(self, recipe_hash: str) -> None:
-        return None
-
-    def promotions(self, **_filters: Any) -> list:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
-def _read_db():
-    """The registry for a command that only reads. One that does not exist yet is not created
-    (a new or read-only state directory simply has no campaigns), and the default SQLite one at
-    the newest schema is read without SQLAlchemy (registry.sqlite_reader): `campaign status`
-    stays fast."""
-    from registry.records import RegistryError
-    from registry.sqlite_reader import open_reader
-
-    try:
-        db = open_reader()
-    except RegistryError as e:
-        fail(str(e))
-    return _NoRegistry() if db is None else db
-
-
-# --- campaign -----------------------------------------------------------------------------------
 
 
 def _live_table(state: dict[tuple[str, str], dict[str, Any]]):
@@ -99,9 +54,21 @@ def _live_table(state: dict[tuple[str, str], dict[str, Any]]):
     return t
 
 
-def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
-    """Record the campaign, take its ownership (a second launch/resume of it is refused in one
-    line naming the owner, before Prefect starts) and run its flow in this process."""
+def _load(path: Path) -> tuple[Campaign, dict[str, Any]]:
+    """The campaign in ``path`` and its base recipe, validated; a bad file is one line."""
+    from registry.campaign import CampaignError, load_campaign
+
+    try:
+        return load_campaign(path)
+    except CampaignError as e:
+        fail(str(e))
+
+
+def _run_flow(campaign: Campaign, base: dict[str, Any], path: Path, campaign_id: str,
+              as_json: bool) -> None:
+    """Launch the loaded campaign — record it and take its ownership, so that a second
+    launch/resume of it is refused in one line naming the owner, before Prefect starts — and
+    run its flow in this process, which runs under this launch (:mod:`flows.launch`)."""
     require_state_dir()
     up_api = None
     if not os.environ.get("PREFECT_API_URL", "").strip():
@@ -109,37 +76,28 @@ def _run_flow(path: Path, campaign_id: str, as_json: bool) -> None:
         if up_api:  # before Prefect is imported: it reads its settings once
             os.environ["PREFECT_API_URL"] = up_api
     from flows import campaign as cflow  # configures Prefect before importing it
-    from registry.campaign import CampaignError, load_campaign
+    from flows.launch import launch_campaign
     from registry.db import RegistryError
-    from registry.ownership import CampaignLease
 
     try:
-        campaign, base = load_campaign(path)
-    except CampaignError as e:
-        fail(str(e))
-    db = _db()
-    try:
-        cflow.record_campaign(db, campaign, base, path, campaign_id)
-        with CampaignLease(db, campaign_id):
+        with launch_campaign(campaign, base, path, campaign_id) as launched:
             _follow_flow(cflow, path, campaign_id, as_json, up_api,
-                         _first_stage_recipes(campaign, base, db, campaign_id))
+                         _first_stage_recipes(launched))
     except RegistryError as e:  # CampaignOwnedError: another live process runs it
         fail(str(e))
-    finally:
-        db.close()
 
 
-def _first_stage_recipes(campaign: Campaign, base: dict[str, Any], db: RegistryDB,
-                         campaign_id: str) -> list[Recipe]:
+def _first_stage_recipes(launched: Launch) -> list[Recipe]:
     """The recipes the campaign's first stage trains when this run will train it (no earlier
     run of the campaign promoted it): :func:`_start` builds their starting checkpoints, warm
     starts included, before the services start."""
     from registry.campaign import stage_recipes
 
+    campaign = launched.campaign
     first = campaign.stages[0]
-    if db.promoted(campaign_id, first.name) is not None:
+    if launched.db.promoted(launched.campaign_id, first.name) is not None:
         return []
-    return [recipe for _, recipe in stage_recipes(campaign, first, base, {}).candidates]
+    return [recipe for _, recipe in stage_recipes(campaign, first, launched.base, {}).candidates]
 
 
 def _start(recipes: list[Recipe], report: Callable[[str | None], None]) -> None:
@@ -213,9 +171,9 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
             # a stopped campaign ends its flow run Failed (flows.campaign.flow_result): read
             # the outcome from the state; an exception the flow raised is raised again here
             flow_state = cflow.campaign_flow(str(path), campaign_id, return_state=True)
-            out = flow_state.result(raise_on_failure=False)
-            if isinstance(out, BaseException):
-                raise out
+            outcome = flow_state.result(raise_on_failure=False)
+            if isinstance(outcome, BaseException):
+                raise outcome
         except (CampaignError, RecipeError, RunError, RegistryError) as e:
             live.stop()
             fail(f"{e} (campaign {campaign_id}; resume with: asyncrl campaign resume "
@@ -233,30 +191,31 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
                   "set PREFECT_API_URL")
         finally:
             cflow.EVENT_LISTENERS.remove(on_event)
-    _print_outcome(console, out, as_json)
-    if out["status"] != "finished":
+    _print_outcome(console, outcome, outcome.to_json() if as_json else None)
+    if outcome.status != "finished":
         raise typer.Exit(2)
 
 
-def _print_outcome(console, out: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        typer.echo(json.dumps(out, indent=2, default=str))
+def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | None) -> None:
+    """The outcome in words, or ``as_json`` (its JSON form, when --json asked for it)."""
+    if as_json is not None:
+        typer.echo(json.dumps(as_json, indent=2, default=str))
         return
     from flows.tracking import Tracker, default_tracking_uri, redact_uri, where_to_look
     from registry.db import default_url
 
-    console.print(f"campaign [bold]{out['campaign_id']}[/]: {out['status']} — {out['verdict']}")
-    for stage, p in out.get("promoted", {}).items():
-        console.print(f"  {stage}: promoted {p['candidate']} (recipe {p['recipe_hash']}, MLflow "
-                      f"version {p.get('mlflow_version')}) → {p['checkpoint']}")
-    diag = out.get("diagnosis")
-    if diag:
-        for f in diag.get("findings", []):
+    console.print(f"campaign [bold]{outcome.campaign_id}[/]: {outcome.status} — "
+                  f"{outcome.verdict}")
+    for stage, p in outcome.promoted.items():
+        console.print(f"  {stage}: promoted {p.candidate} (recipe {p.recipe_hash}, MLflow "
+                      f"version {p.mlflow_version}) → {p.checkpoint}")
+    if outcome.diagnosis:
+        for f in outcome.diagnosis.get("findings", []):
             console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
                           f"fix: {f.get('fix')}")
     uri = default_tracking_uri()
-    link = Tracker(uri).run_url(out["mlflow_run_id"]) if out.get("mlflow_run_id") else None
-    console.print(f"where to look: `asyncrl campaign status {out['campaign_id']}`; "
+    link = Tracker(uri).run_url(outcome.mlflow_run_id) if outcome.mlflow_run_id else None
+    console.print(f"where to look: `asyncrl campaign status {outcome.campaign_id}`; "
                   f"{where_to_look(uri)}" + (f" (this campaign: {link})" if link else "")
                   + f"; registry: {redact_uri(default_url())}", soft_wrap=True)
 
@@ -283,12 +242,7 @@ def launch(
     """Validate the campaign, record it in the registry and run its flow (Prefect, in-process by
     default; on a Prefect server with --deployment).
     Exit code 0: every stage promoted; 2: a stage had no passing candidate (see the verdict)."""
-    from registry.campaign import CampaignError, load_campaign
-
-    try:
-        campaign, _ = load_campaign(path)
-    except CampaignError as e:
-        fail(str(e))
+    campaign, base = _load(path)
     require_state_dir()
     from flows.campaign import new_campaign_id
 
@@ -298,7 +252,7 @@ def launch(
     elif deployment_name or detach or timeout:
         fail("--deployment-name, --detach and --timeout go with --deployment")
     else:
-        _run_flow(path, cid, as_json)
+        _run_flow(campaign, base, path, cid, as_json)
 
 
 _TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -321,6 +275,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
     if not answers(api.rstrip("/") + "/health"):
         fail(f"no Prefect server answers at PREFECT_API_URL={api}; {hint}")
     from flows.deploy import FLOW_NAME  # importing flows configures Prefect before Prefect
+    from flows.results import CampaignOutcome, Promoted
 
     full = f"{FLOW_NAME}/{name}"
     from prefect.client.orchestration import get_client
@@ -351,7 +306,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
     with get_client(sync_client=True) as client:
         while True:
             state = client.read_flow_run(run.id).state
-            db = _db()
+            db = open_registry()
             try:
                 for st in db.stages(campaign_id):
                     if seen.get(st.name) != st.status:
@@ -365,24 +320,37 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
                 fail(f"stopped waiting after {timeout:.0f} s; the run goes on: "
                       f"`asyncrl campaign status {campaign_id}`, {ui}", 3)
             time.sleep(2.0)
-    db = _db()
+    db = open_registry()
     row = db.get_campaign(campaign_id)
     promos = db.promotions(campaign_id=campaign_id)
     db.close()
     if row is None:
         fail(f"the flow run ended ({state.type.value}: {state.message or ''}) before the "
               f"campaign was recorded; see {ui}")
-    out = {"campaign_id": campaign_id, "status": row.status, "verdict": row.verdict or "",
-           "diagnosis": row.diagnosis, "flow_run_id": str(run.id), "flow_run_url": ui,
-           "promoted": {p.stage: {"candidate": p.candidate, "recipe_hash": p.recipe_hash,
-                                  "checkpoint": p.checkpoint, "mlflow_version": p.mlflow_version}
-                        for p in promos if p.actor == "auto"}}
+    outcome = CampaignOutcome(
+        campaign_id, row.status, row.verdict or "", diagnosis=row.diagnosis,
+        promoted={p.stage: Promoted(p.candidate, p.recipe_hash, p.checkpoint, p.id,
+                                    p.mlflow_version)
+                  for p in promos if p.actor == "auto"})
     if state.type.value != "COMPLETED" and row.status not in ("finished", "stopped"):
         fail(f"flow run {state.type.value.lower()}: {state.message or ''} (campaign "
               f"{campaign_id}; see {ui}; resume with: asyncrl campaign resume {campaign_id})")
-    _print_outcome(console, out, as_json)
-    if out["status"] != "finished":
+    _print_outcome(console, outcome,
+                   _deployment_json(outcome, str(run.id), ui) if as_json else None)
+    if outcome.status != "finished":
         raise typer.Exit(2)
+
+
+def _deployment_json(outcome: CampaignOutcome, flow_run_id: str,
+                     flow_run_url: str) -> dict[str, Any]:
+    """``launch --deployment --json``'s layout: the outcome as the registry recorded it (no
+    MLflow run, no promotion ids) with the flow run's id and URL."""
+    return {"campaign_id": outcome.campaign_id, "status": outcome.status,
+            "verdict": outcome.verdict, "diagnosis": outcome.diagnosis,
+            "flow_run_id": flow_run_id, "flow_run_url": flow_run_url,
+            "promoted": {stage: {"candidate": p.candidate, "recipe_hash": p.recipe_hash,
+                                 "checkpoint": p.checkpoint, "mlflow_version": p.mlflow_version}
+                         for stage, p in outcome.promoted.items()}}
 
 
 @campaign_app.command("resume")
@@ -391,7 +359,7 @@ def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
            ) -> None:
     """Continue a campaign: finished candidates and promotions are kept, an interrupted
     candidate resumes from its last checkpoint."""
-    db = _read_db()
+    db = read_registry()
     row = db.get_campaign(campaign_id)
     db.close()
     if row is None:
@@ -399,7 +367,8 @@ def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
     path = Path(row.spec.get("path", ""))
     if not path.is_file():
         fail(f"the campaign file {path} of {campaign_id} is gone; restore it to resume")
-    _run_flow(path, campaign_id, as_json)
+    campaign, base = _load(path)
+    _run_flow(campaign, base, path, campaign_id, as_json)
 
 
 @campaign_app.command("list")
@@ -408,7 +377,7 @@ def list_campaigns(as_json: bool = typer.Option(False, "--json")) -> None:
     process is gone shows as crashed."""
     from registry.ownership import effective_status
 
-    db = _read_db()
+    db = read_registry()
     rows: list[dict[str, Any]] = []
     try:
         for c in db.list_campaigns():
@@ -440,7 +409,7 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
                                                      "newest)."),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """Stages, candidates, gate results and promotions of a campaign."""
-    db = _read_db()
+    db = read_registry()
     if campaign_id is None:
         campaigns = sorted(db.list_campaigns(), key=lambda c: c.created_at)
         if not campaigns:
@@ -510,7 +479,7 @@ def report(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
         path = Path(run_dir or "") / "metrics.jsonl"
         return read_metrics(path) if run_dir and path.is_file() else []
 
-    db = _read_db()
+    db = read_registry()
     if campaign_id is None:
         campaigns = sorted(db.list_campaigns(), key=lambda c: c.created_at)
         if not campaigns:
@@ -538,309 +507,6 @@ def _crashed_text(campaign_id: str, owner: OwnerRecord | None) -> str:
     return f"crashed ({who}); resume with: asyncrl campaign resume {campaign_id}"
 
 
-# --- registry -----------------------------------------------------------------------------------
-
-
-@registry_app.command("list")
-def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
-                  all_: bool = typer.Option(False, "--all", help="Include retired ones."),
-                  as_json: bool = typer.Option(False, "--json")) -> None:
-    """Promoted recipes (active ones unless --all)."""
-    db = _read_db()
-    rows = db.promotions(campaign_id=campaign_id, status=None if all_ else "active")
-    db.close()
-    if as_json:
-        typer.echo(json.dumps([p.to_dict() for p in rows], indent=2, default=str))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table()
-    for c in ("id", "campaign", "stage", "candidate", "recipe", "status", "by", "reason"):
-        t.add_column(c)
-    for p in rows:
-        t.add_row(str(p.id), p.campaign_id or "—", p.stage or "—", p.candidate,
-                  p.recipe_hash, p.status, p.actor, (p.reason or "")[:60])
-    Console().print(t)
-
-
-@registry_app.command("show")
-def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -> None:
-    """Print a registered recipe (YAML) and its promotions."""
-    db = _read_db()
-    row = db.get_recipe(recipe_hash)
-    promos = [p for p in db.promotions() if p.recipe_hash == recipe_hash]
-    db.close()
-    if row is None:
-        fail(f"no recipe {recipe_hash!r} in the registry; `asyncrl registry list` shows the "
-              "promoted ones")
-    typer.echo(f"# recipe {recipe_hash} ({row.name})")
-    typer.echo(row.yaml)
-    for p in promos:
-        typer.echo(f"# promoted: {p.campaign_id}/{p.stage} {p.candidate} "
-                   f"({p.status}, by {p.actor}: {p.reason})")
-
-
-@registry_app.command("promote")
-def registry_promote(
-    recipe_hash: str = typer.Argument(..., help="Recipe hash (it must be registered)."),
-    reason: str = typer.Option(..., "--reason", help="Why (recorded)."),
-    checkpoint: str | None = typer.Option(None, "--checkpoint", help="HF checkpoint dir."),
-    campaign_id: str | None = typer.Option(None, "--campaign"),
-    stage: str | None = typer.Option(None, "--stage"),
-    candidate: str = typer.Option("manual", "--candidate"),
-    actor: str | None = typer.Option(None, "--by", help="Who (default: $USER)."),
-) -> None:
-    """Promote a recipe by hand (a person's decision, recorded with who and why)."""
-    from registry.db import RegistryError
-
-    db = _db()
-    if db.get_recipe(recipe_hash) is None:
-        fail(f"no recipe {recipe_hash!r} in the registry")
-    try:
-        pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
-                         campaign_id=campaign_id, stage=stage,
-                         actor=actor or os.environ.get("USER", "user"), reason=reason)
-    except RegistryError as e:
-        fail(str(e))
-    db.close()
-    typer.echo(f"promotion {pid}: {recipe_hash}")
-
-
-@registry_app.command("retire")
-def registry_retire(promotion_id: int = typer.Argument(..., help="Promotion id."),
-                    reason: str = typer.Option(..., "--reason", help="Why (recorded)."),
-                    actor: str | None = typer.Option(None, "--by")) -> None:
-    """Retire a promotion (kept in the history with who and why)."""
-    from registry.db import RegistryError
-
-    db = _db()
-    try:
-        db.retire(promotion_id, actor=actor or os.environ.get("USER", "user"), reason=reason)
-    except RegistryError as e:
-        fail(str(e))
-    db.close()
-    typer.echo(f"promotion {promotion_id} retired")
-
-
-# --- gates / diagnose / schema ------------------------------------------------------------------
-
-
-def _history(run: Path) -> list[dict[str, Any]]:
-    from training.runtime.sinks import read_metrics
-
-    path = run / "metrics.jsonl" if run.is_dir() else run
-    if not path.is_file():
-        fail(f"{run} has no metrics.jsonl; pass a run directory written by asyncrl train or a "
-              "campaign")
-    try:
-        return read_metrics(path)
-    except ValueError as e:
-        fail(f"{path}: {e}")
-    return []
-
-
-def _evals(run: Path) -> list[Any]:
-    """The per-prompt eval outcomes beside a run's metrics (``eval.jsonl``; [] if none), for
-    paired eval comparisons."""
-    from training.evals import EVAL_FILE, read_evals
-
-    return read_evals((run if run.is_dir() else run.parent) / EVAL_FILE)
-
-
-def _recorded_judgement(run: Path) -> tuple[dict[str, Any] | None, str]:
-    """What a campaign judged ``run`` with (``judged_with`` of its gate_report.json), and a
-    phrase naming it; ``(None, why)`` when the run has none."""
-    report_path = (run if run.is_dir() else run.parent) / "gate_report.json"
-    if not report_path.is_file():
-        return None, "no gate_report.json: not judged by a campaign"
-    try:
-        judged = json.loads(report_path.read_text()).get("judged_with")
-    except (OSError, ValueError, AttributeError):
-        return None, f"{report_path} is unreadable"
-    if not isinstance(judged, dict) or not isinstance(judged.get("gates"), list):
-        return None, f"{report_path} records no gate configuration (written by an older asyncrl)"
-    where = "/".join(str(judged[k]) for k in ("campaign_id", "stage", "candidate")
-                     if judged.get(k))
-    return judged, f"the gates, parameters and context campaign run {where or run} was judged with"
-
-
-def _stage_gates(campaign_file: Path, stage_name: str | None,
-                 reference_given: bool) -> tuple[list[dict[str, Any]], str, int]:
-    """The gates (as specs) of ``stage_name`` in ``campaign_file``, a phrase naming them and
-    the stage's candidate count; a one-line error for a bad file or an unknown stage."""
-    from registry.campaign import CampaignError, load_campaign
-
-    try:
-        campaign, _ = load_campaign(campaign_file)
-    except CampaignError as e:
-        fail(str(e))
-    names = [st.name for st in campaign.stages]
-    if stage_name is None:
-        fail(f"--campaign needs --stage: one of {', '.join(names)}")
-    if stage_name not in names:
-        fail(f"campaign {campaign.name!r} has no stage {stage_name!r}; stages: "
-             f"{', '.join(names)}")
-    stage = campaign.stage(stage_name)
-    specs = [g.model_dump() for g in stage.gates]
-    if not reference_given and any(g.get("relative_to") for g in specs):
-        fail(f"stage {stage_name!r} judges relative to a reference stage: pass its promoted "
-             "run with --reference REF_RUN")
-    return specs, f"the gates of stage {stage_name!r} of {campaign_file}", len(stage.candidates)
-
-
-def gates_cmd(
-    run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
-    reference: Path | None = typer.Option(None, "--reference", metavar="REF_RUN", help=(
-        "Judge against this reference run (directory or metrics.jsonl), e.g. the sync "
-        "baseline: every gate that can judge relatively does.")),
-    campaign: Path | None = typer.Option(None, "--campaign", metavar="FILE", help=(
-        "Take the gates and parameters of a stage of this campaign (with --stage).")),
-    stage: str | None = typer.Option(None, "--stage", help="The stage of --campaign."),
-    gate: list[str] = typer.Option([], "--gate", help="Only these gates."),
-    defaults: bool = typer.Option(False, "--defaults", help="Judge with every gate at its "
-                                  "default parameters instead of the configuration the run's "
-                                  "campaign recorded."),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
-    """Evaluate stability gates on a run's metric history — a run of asyncrl or one trained
-    elsewhere and written to JSONL under the metric names (verl's and slime's names are read
-    too). With --reference, against that run; with --campaign/--stage, with that stage's gates
-    and parameters; else with the configuration its campaign recorded (gate_report.json), else
-    (or with --defaults) every gate at its defaults. The first line says which. Exit 0 when
-    every gate passes, 3 when one fails, 1 on bad input."""
-    from registry.gates import GateContext, evaluate_gate, gate_names, summarize
-
-    history = _history(run)
-    ref_summary = summarize(_history(reference)) if reference is not None else None
-    context: dict[str, Any] = {}
-    references: dict[str, Any] = {}
-    judged: dict[str, Any] | None = None
-    if campaign is not None or stage is not None:
-        if campaign is None:
-            fail("--stage needs --campaign FILE")
-        specs, used, n_candidates = _stage_gates(campaign, stage, reference is not None)
-        specs = [g for g in specs if not gate or g["name"] in gate]
-        context = {"candidates": n_candidates}
-        used += f", against {reference}" if reference is not None else ""
-    else:
-        judged, source = ((None, "--defaults") if defaults or reference is not None
-                          else _recorded_judgement(run))
-        if judged is None:
-            specs = [{"name": n, "params": {}, "relative_to": None}
-                     for n in (gate or gate_names())]
-            used = (f"every gate at its default parameters ({source})" if not gate
-                    else f"default parameters ({source})")
-            if reference is not None:
-                used = ("every gate at its defaults" if not gate
-                        else "default parameters") + f", against {reference}"
-        else:
-            specs = [g for g in judged["gates"] if not gate or g.get("name") in gate]
-            specs += [{"name": n, "params": {}, "relative_to": None} for n in gate
-                      if n not in {g.get("name") for g in specs}]  # asked for, not recorded
-            used = f"{source}; --defaults for every gate at its defaults"
-            references = judged.get("references") or {}
-            context = judged.get("context") or {}
-    recipe, _ = _run_recipe(run)
-    if recipe is not None and "max_staleness" not in context:
-        context = {**GateContext.of(recipe).model_dump(), **context}
-
-    def ref_for(g: dict[str, Any]) -> Any:
-        if ref_summary is not None:
-            return ref_summary
-        return references.get(g["relative_to"]) if g.get("relative_to") else None
-
-    evals = _evals(run)
-    ref_dirs = ((judged or {}).get("reference_runs") or {}) if reference is None else {}
-
-    def ref_eval(g: dict[str, Any]) -> Any:
-        where = reference if reference is not None else ref_dirs.get(g.get("relative_to") or "")
-        outcomes = _evals(Path(where)) if where else []
-        return outcomes[-1] if outcomes else None
-
-    try:
-        results = [evaluate_gate(g["name"], history, g.get("params") or {},
-                                 reference=ref_for(g), context=context, evals=evals,
-                                 reference_eval=ref_eval(g)).to_dict()
-                   for g in specs]
-    except (KeyError, ValueError) as e:
-        fail(str(e.args[0]) if e.args else str(e))
-    if as_json:
-        typer.echo(json.dumps({"judged_with": used, "results": results}, indent=2))
-    else:
-        typer.echo(f"judged with {used}")
-        for r in results:
-            typer.echo(f"{'PASS' if r['passed'] else 'FAIL'} {r['name']}: {r['evidence']}")
-    if not all(r["passed"] for r in results):
-        raise typer.Exit(3)
-
-
-def _run_recipe(run: Path) -> tuple[Any, str | None]:
-    """The recipe a run trained with (its ``recipe.yaml``), or ``(None, why not)``."""
-    from training.recipe import RecipeError, load_recipe
-
-    path = (run if run.is_dir() else run.parent) / "recipe.yaml"
-    if not path.is_file():
-        return None, f"no {path.name} beside the metrics"
-    try:
-        return load_recipe(path), None
-    except RecipeError as e:
-        return None, str(e)
-
-
-def _override_yaml(override: dict[str, Any]) -> str:
-    """An override as the YAML a campaign candidate's ``overrides:`` takes (dotted keys kept:
-    apply_overrides reads them)."""
-    import yaml
-
-    return yaml.safe_dump({"overrides": override}, sort_keys=False, default_flow_style=False,
-                          allow_unicode=True).rstrip()
-
-
-def diagnose_cmd(
-    run: Path = typer.Argument(..., metavar="RUN", help="Run directory (or its metrics.jsonl)."),
-    reference: Path | None = typer.Option(None, "--reference", metavar="REF_RUN", help=(
-        "A healthy reference run (directory or metrics.jsonl), e.g. the campaign's sync "
-        "baseline: the tree's thresholds measured on another stack are taken from it.")),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
-    """The decision tree of seed 001 on a run's metrics: each cause (A–F) with its evidence, the
-    fix, and the fix as a recipe override — YAML ready to paste into a campaign candidate's
-    ``overrides:``, tailored to and validated against the run's recipe.yaml when it has one.
-    With ``--reference``, "rising", the staleness-KL level and the engine-agreement limits come
-    from that run (lag: the run's recipe's staleness bound, 1 without a recipe)."""
-    from registry.gates import diagnosis_for, summarize
-
-    history = _history(run)
-    recipe, why = _run_recipe(run)
-    ref = summarize(_history(reference)) if reference is not None else None
-    bound = recipe.async_.staleness_bound if recipe is not None else None
-    lag = 1 if bound is None else bound
-    diag = diagnosis_for(history, recipe, reference=ref, lag=lag)
-    if as_json:
-        out = {**diag.to_dict(), "recipe": "recipe.yaml" if recipe is not None else None}
-        typer.echo(json.dumps(out, indent=2, default=str))
-        return
-    typer.echo(diag.summary)
-    if recipe is None:
-        typer.echo(f"(overrides not tailored to the run's recipe: {why})")
-    blocks = [*diag.findings, *([diag.unseparated] if diag.unseparated else [])]
-    for f in blocks:
-        head = f"cause {f.cause}" if f.cause != "unseparated" else "unseparated"
-        typer.echo(f"{head}: {f.title}")
-        for e in f.evidence:
-            typer.echo(f"  evidence: {e}")
-        typer.echo(f"  fix: {f.fix}")
-        typer.echo("  prescribed override (paste into a campaign candidate):")
-        for line in _override_yaml(f.override).splitlines():
-            typer.echo(f"    {line}")
-        if f.override_error:
-            typer.echo(f"  warning: on this run's recipe the override does not load: "
-                       f"{f.override_error}")
-    if diag.escalation_text:
-        typer.echo(f"escalation: {diag.escalation_text}")
-
-
 def schema_campaign(out: Path | None = typer.Option(None, "--out", help="Write to FILE.")) -> None:
     """JSON schema of the campaign YAML."""
     from registry.campaign import campaign_json_schema
@@ -854,9 +520,6 @@ def schema_campaign(out: Path | None = typer.Option(None, "--out", help="Write t
 
 
 def register(app: typer.Typer, schema_app: typer.Typer) -> None:
-    """Attach these commands to the main CLI."""
+    """Attach ``asyncrl campaign`` and ``asyncrl schema campaign`` to the main CLI."""
     app.add_typer(campaign_app, name="campaign")
-    app.add_typer(registry_app, name="registry")
-    app.command("gates")(gates_cmd)
-    app.command("diagnose")(diagnose_cmd)
     schema_app.command("campaign")(schema_campaign)

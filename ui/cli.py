@@ -302,11 +302,15 @@ schema_app = typer.Typer(help="JSON schemas of the YAML files asyncrl reads (for
 app.add_typer(schema_app, name="schema")
 
 def _register_platform_commands() -> None:
-    from ui.campaign_cli import register
+    from ui.campaign_cli import register as register_campaign
+    from ui.gates_cli import register as register_gates
+    from ui.registry_cli import register as register_registry
     from ui.services_cli import register as register_services
     from ui.validate_cli import register as register_validate
 
-    register(app, schema_app)
+    register_campaign(app, schema_app)
+    register_registry(app)
+    register_gates(app)
     register_services(app)
     register_validate(app)
 

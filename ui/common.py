@@ -1,11 +1,18 @@
-"""What every command group of the CLI shares: the one-line user error, the state-directory check
-and the local services' address (the Prefect and MLflow servers ``asyncrl up`` starts). The
-command modules (``ui.cli``, ``ui.campaign_cli``, ``ui.services_cli``, ``ui.validate_cli``)
-import from here and never from each other's private names."""
+"""What every command group of the CLI shares: the one-line user error, the state-directory check,
+the registry (to write, or only to read) and the local services' address (the Prefect and MLflow
+servers ``asyncrl up`` starts). The command modules (``ui.cli``, ``ui.campaign_cli``,
+``ui.registry_cli``, ``ui.gates_cli``, ``ui.services_cli``, ``ui.validate_cli``) import from here
+and never from each other's private names."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, NoReturn
+
 import typer
+
+if TYPE_CHECKING:
+    from registry.db import RegistryDB
+    from registry.sqlite_reader import SQLiteReader
 
 #: Where ``asyncrl up`` serves Prefect and MLflow (loopback unless the user says otherwise).
 HOST = "127.0.0.1"
@@ -13,7 +20,7 @@ DEFAULT_PREFECT_PORT = 4200
 DEFAULT_MLFLOW_PORT = 5000
 
 
-def fail(message: str, code: int = 1) -> None:
+def fail(message: str, code: int = 1) -> NoReturn:
     """A user error: one line on stderr naming the problem and the fix, then exit ``code``."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -27,6 +34,51 @@ def require_state_dir() -> None:
         require_writable_state_dir()
     except StateDirError as e:
         fail(str(e))
+
+
+def open_registry(url: str | None = None) -> RegistryDB:
+    """The registry (created at its newest schema if new); a bad URL is a one-line error."""
+    from registry.db import RegistryDB, RegistryError
+
+    try:
+        return RegistryDB(url)
+    except RegistryError as e:
+        fail(str(e))
+
+
+class _NoRegistry:
+    """The registry a read sees before the first campaign created it: nothing recorded. (The
+    read commands call only these; any other call is a bug that fails loudly.)"""
+
+    def list_campaigns(self) -> list:
+        return []
+
+    def get_campaign(self, campaign_id: str) -> None:
+        return None
+
+    def get_recipe(self, recipe_hash: str) -> None:
+        return None
+
+    def promotions(self, **_filters: Any) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def read_registry() -> SQLiteReader | RegistryDB | _NoRegistry:
+    """The registry for a command that only reads. One that does not exist yet is not created
+    (a new or read-only state directory simply has no campaigns), and the default SQLite one at
+    the newest schema is read without SQLAlchemy (registry.sqlite_reader): `campaign status`
+    stays fast."""
+    from registry.records import RegistryError
+    from registry.sqlite_reader import open_reader
+
+    try:
+        db = open_reader()
+    except RegistryError as e:
+        fail(str(e))
+    return _NoRegistry() if db is None else db
 
 
 def answers(url: str) -> bool:

@@ -72,9 +72,9 @@ def campaign_run(tmp_path_factory, run_campaign):
 
 def test_promotions_follow_the_gates(campaign_run):
     _, out, _, _ = campaign_run
-    assert out["status"] == "finished", out["verdict"]
-    assert out["promoted"]["baseline"]["candidate"] == "default"
-    assert out["promoted"]["async"]["candidate"] == "sync"
+    assert out.status == "finished", out.verdict
+    assert out.promoted["baseline"].candidate == "default"
+    assert out.promoted["async"].candidate == "sync"
     from registry.db import RegistryDB
 
     db = RegistryDB()
@@ -94,8 +94,8 @@ def test_promotions_follow_the_gates(campaign_run):
     recipe = yaml.safe_load(db.get_recipe(runs[("async", "sync")].recipe_hash).yaml)
     # ... known by the recipe that produced it (its identity does not depend on the path)
     assert recipe["model"] == {"kind": "checkpoint",
-                               "path": out["promoted"]["baseline"]["checkpoint"],
-                               "origin": f"recipe:{out['promoted']['baseline']['recipe_hash']}",
+                               "path": out.promoted["baseline"].checkpoint,
+                               "origin": f"recipe:{out.promoted['baseline'].recipe_hash}",
                                "moe_experts": 0}
     report = json.loads((Path(runs[("async", "one-step")].run_dir) / "gate_report.json")
                         .read_text())
@@ -158,7 +158,7 @@ def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
     assert champion.version == staged.version
     sync_run = next(r for r in children if r.data.tags.get("asyncrl.candidate") == "sync")
     assert champion.run_id == sync_run.info.run_id
-    assert again["promoted"] == out["promoted"]
+    assert again.promoted == out.promoted
 
 
 def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
@@ -167,16 +167,16 @@ def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
     *_, state = campaign_run
     assert state.type.value == "FAILED"
     out = state.result(raise_on_failure=False)
-    assert out["status"] == "stopped" and state.message == out["verdict"]
-    assert "no candidate passed its gates (one-step: staleness_within_bound)" in out["verdict"]
+    assert out.status == "stopped" and state.message == out.verdict
+    assert "no candidate passed its gates (one-step: staleness_within_bound)" in out.verdict
     from mlflow import MlflowClient
 
     from flows.tracking import default_tracking_uri
     from registry.db import RegistryDB
 
-    parent = MlflowClient(tracking_uri=default_tracking_uri()).get_run(out["mlflow_run_id"])
+    parent = MlflowClient(tracking_uri=default_tracking_uri()).get_run(out.mlflow_run_id)
     assert parent.info.status == "FAILED"
-    assert parent.data.tags["asyncrl.verdict"] == out["verdict"]
+    assert parent.data.tags["asyncrl.verdict"] == out.verdict
     db = RegistryDB()
     assert db.get_campaign("e2e-stop").status == "stopped"
     db.close()

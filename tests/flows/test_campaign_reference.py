@@ -53,7 +53,7 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     from training.runtime.sinks import read_metrics
 
     out = campaign_run
-    assert out["status"] == "finished", out["verdict"]
+    assert out.status == "finished", out.verdict
     db = RegistryDB()
     runs = {(r.stage, r.candidate): r for r in db.runs("refrun-1")}
     assert set(runs) == {("baseline", "default"), ("next", "reference-baseline"),
@@ -63,7 +63,7 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     ref = yaml.safe_load(db.get_recipe(ref_row.recipe_hash).yaml)
     base = yaml.safe_load(db.get_recipe(runs[("baseline", "default")].recipe_hash).yaml)
     # the baseline's promoted recipe, from this stage's starting checkpoint, at its data
-    start = out["promoted"]["baseline"]["checkpoint"]
+    start = out.promoted["baseline"].checkpoint
     assert ref["model"] == {"kind": "checkpoint", "path": start, "moe_experts": 0,
                             "origin": f"recipe:{runs[('baseline', 'default')].recipe_hash}"}
     # the stage's overrides apply (its task and optimiser), its async section would not
@@ -92,7 +92,7 @@ def test_the_reference_is_rerun_from_the_stages_start_and_the_gate_reads_it(camp
     # the reference is judged on the stage's absolute gates only, and never promoted
     ref_report = json.loads((ref_dir / "gate_report.json").read_text())
     assert [g["name"] for g in ref_report["gates"]] == ["reward_not_collapsed"]
-    assert out["promoted"]["next"]["candidate"] in ("full", "half")
+    assert out.promoted["next"].candidate in ("full", "half")
     assert {p.candidate for p in db.promotions(campaign_id="refrun-1")} <= {
         "default", "full", "half"}
     db.close()

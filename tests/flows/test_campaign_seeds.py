@@ -46,7 +46,7 @@ def _runs():
 
 
 def test_every_seed_runs_from_the_same_start_under_its_own_name(seeded_run):
-    assert seeded_run["status"] == "finished", seeded_run["verdict"]
+    assert seeded_run.status == "finished", seeded_run.verdict
     runs = _runs()
     assert set(runs) == {("baseline", "default"), ("baseline", "default.s1"),
                          ("again", "reference-baseline"), ("again", "reference-baseline.s1"),
@@ -78,7 +78,7 @@ def test_seed_j_is_judged_against_the_reference_seed_j(seeded_run):
 def test_the_candidate_verdict_needs_every_seed_and_promotion_says_why(seeded_run):
     from registry.db import RegistryDB
 
-    promoted = seeded_run["promoted"]["again"]["candidate"]
+    promoted = seeded_run.promoted["again"].candidate
     assert promoted in ("a", "b")
     db = RegistryDB()
     try:

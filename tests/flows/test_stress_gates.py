@@ -82,7 +82,7 @@ def _reports() -> dict[str, dict]:
 
 def test_the_unstable_candidate_fails_the_entropy_gate_and_the_stable_one_passes(campaign_run):
     out = campaign_run
-    assert out["status"] == "finished", out["verdict"]
+    assert out.status == "finished", out.verdict
     reports = _reports()
     assert set(reports) == {"unstable", "stable"}
 
@@ -101,7 +101,7 @@ def test_the_unstable_candidate_fails_the_entropy_gate_and_the_stable_one_passes
         lp = gate(candidate, "logprob_diff_flat")
         assert "1 lag-0 step(s) left out" in lp["evidence"], lp["evidence"]
         assert "level not judged in a lagged mode (engine gap" in lp["evidence"]
-    assert out["promoted"]["one-step"]["candidate"] == "stable"
+    assert out.promoted["one-step"].candidate == "stable"
 
 
 def test_the_registry_and_mlflow_record_both_verdicts(campaign_run):

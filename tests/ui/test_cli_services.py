@@ -159,9 +159,9 @@ def test_scheduled_flow_makes_a_new_campaign_id(tmp_path: Path,
     path = _campaign(tmp_path)
     first = scheduled_campaign_flow.fn(str(path))
     second = scheduled_campaign_flow.fn(str(path))
-    assert first["campaign_id"].startswith("nightly-")
-    assert first["campaign_id"] != second["campaign_id"]
-    assert scheduled_campaign_flow.fn(str(path), "nightly-x")["campaign_id"] == "nightly-x"
+    assert first.campaign_id.startswith("nightly-")
+    assert first.campaign_id != second.campaign_id
+    assert scheduled_campaign_flow.fn(str(path), "nightly-x").campaign_id == "nightly-x"
     assert calls[0][0] == path
 
 
