@@ -1,6 +1,6 @@
 """The gates and the decision tree on real runs (issue 26): the stress testbed's histories in
-``tests/registry/histories/`` (how each was made: its README), each gate failing on a run that has its problem
-and passing on one that does not. Pairs share a warm start: ``sync``/``one``,
+``tests/registry/histories/`` (how each was made: its README), each gate failing on a run that
+has its problem and passing on one that does not. Pairs share a warm start: ``sync``/``one``,
 ``sync-1e4``/``one-1e4``, ``g16-sync``/``g16-one``."""
 
 from __future__ import annotations
