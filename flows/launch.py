@@ -66,7 +66,8 @@ def launch_campaign(campaign: Campaign, base: dict[str, Any], campaign_path: str
         record_campaign(db, campaign, base, path, campaign_id)
         with CampaignLease(db, campaign_id) as lease:
             key = (registry_url, campaign_id)
-            assert key not in _OPEN, f"campaign {campaign_id} is launched twice in one process"
+            if key in _OPEN:  # a programming error: the lease above would have refused it
+                raise RuntimeError(f"campaign {campaign_id} is launched twice in one process")
             _OPEN[key] = Launch(campaign, base, path, campaign_id, registry_url, db, lease)
             try:
                 yield _OPEN[key]
@@ -82,8 +83,9 @@ def launched(campaign_path: str | Path, campaign_id: str, *, registry_url: str |
     ``with`` block."""
     held = _OPEN.get((registry_url, campaign_id))
     if held is not None:
-        assert held.path.resolve() == Path(campaign_path).resolve(), (
-            f"campaign {campaign_id} was launched from {held.path}, not {campaign_path}")
+        if held.path.resolve() != Path(campaign_path).resolve():
+            raise RuntimeError(f"campaign {campaign_id} was launched from {held.path}, "
+                               f"not {campaign_path}")
         yield held
         return
     campaign, base = loaded if loaded is not None else load_campaign(campaign_path)
