@@ -31,6 +31,16 @@ def test_a_better_eval_beyond_the_noise_wins():
     assert f"> {z_limit(0.05, 2):.2f}" in c.reason
 
 
+def test_a_worse_eval_beyond_the_noise_is_called_worse_not_a_tie():
+    # the replayed ladder's one-step stage: r3-dppo 0.114 below no-correction on 114 prompts is
+    # far past the limit on the wrong side; it is not chosen, and the reason says why
+    c = choose("best_eval", [Contender("a", 0.70, 128), Contender("b", 0.35, 128)])
+    se = math.hypot(proportion_se(0.70, 128), proportion_se(0.35, 128))
+    assert c.index == 0
+    assert f"b worse than a beyond noise (-0.350 = {-0.35 / se:.2f} SE < -1.64" in c.reason
+    assert "not distinguishable" not in c.reason
+
+
 def test_without_eval_n_the_higher_eval_wins_and_says_the_noise_is_unknown():
     c = choose("best_eval", [Contender("a", 0.5, None), Contender("b", 0.6, None)])
     assert c.index == 1 and "noise unknown" in c.reason
