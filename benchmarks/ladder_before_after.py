@@ -34,6 +34,8 @@ for j in jobs:
     ref = summarize(read_metrics(j["reference"])) if j["reference"] else None
     res = []
     for g in st.get("gates", []):
+        if j["absolute_only"] and g.get("relative_to"):
+            continue
         r = evaluate_gate(g["name"], hist, g.get("params") or {},
                           reference=ref if g.get("relative_to") else None,
                           context={"max_staleness": j["lag"]})
@@ -63,10 +65,11 @@ def main(campaign_dir: Path, old: Path) -> str:
         judged = data["judged_with"]
         refs = judged.get("reference_runs") or {}
         ref_dir = next(iter(refs.values()), None)
-        if ref_dir is None and judged.get("references"):
-            ref_dir = str(campaign_dir / "baseline" / "default")
+        # a re-run reference is judged on the absolute gates only, now and (here) before
+        absolute = not any(g.get("relative_to") for g in judged["gates"])
         jobs.append({"stage": judged["stage"], "metrics": str(rep.parent / "metrics.jsonl"),
                      "reference": str(Path(ref_dir) / "metrics.jsonl") if ref_dir else None,
+                     "absolute_only": absolute,
                      "lag": judged.get("context", {}).get("max_staleness")})
         new.append((judged["stage"], judged["candidate"],
                     [[g["name"], g["passed"], g.get("value"), g.get("threshold")]

@@ -77,9 +77,11 @@ def choose(rule: str, passing: Sequence[Contender], alpha: float = ALPHA) -> Cho
         elif se > 0 and d < -z * se:  # not chosen either way; say it is worse, not a tie
             notes.append(f"{b.name} worse than {a.name} beyond noise ({d:+.3f} = "
                          f"{d / se:.2f} SE < -{z:.2f}{how})")
+        elif se == 0 and d < 0:
+            notes.append(f"{b.name} worse than {a.name} on every prompt ({d:+.3f}{how})")
         else:
             notes.append(f"{b.name} not distinguishable from {a.name} ({d:+.3f}, SE {se:.3f}: "
-                         f"|{d / se:.2f}| SE ≤ {z:.2f}{how})" if se > 0 else
+                         f"|z| {abs(d / se):.2f} ≤ {z:.2f}{how})" if se > 0 else
                          f"{b.name} not distinguishable from {a.name} ({d:+.3f}{how})")
     return Choice(best, f"best eval beyond noise (α {alpha:g} over {len(passing) - 1} "
                         "comparisons): " + "; ".join(notes))

@@ -195,20 +195,32 @@ def diagnose_cmd(
     fix, and the fix as a recipe override — YAML ready to paste into a campaign candidate's
     ``overrides:``, tailored to and validated against the run's recipe.yaml when it has one.
     With ``--reference``, "rising", the staleness-KL level and the engine-agreement limits come
-    from that run (lag: the run's recipe's staleness bound, 1 without a recipe)."""
+    from that run (lag: the run's recipe's staleness bound, 1 without a recipe or unbounded).
+    Without it, a run a campaign judged against a reference is diagnosed with that reference
+    and staleness bound (its gate_report.json), as the campaign's own diagnosis was."""
     from registry.gates import diagnosis_for, summarize
 
     history = _history(run)
     recipe, why = _run_recipe(run)
-    ref = summarize(_history(reference)) if reference is not None else None
     bound = recipe.async_.staleness_bound if recipe is not None else None
-    lag = 1 if bound is None else bound
-    diag = diagnosis_for(history, recipe, reference=ref, lag=lag)
+    ref, source = None, None
+    if reference is not None:
+        ref, source = summarize(_history(reference)), str(reference)
+    else:
+        judged, _ = _recorded_judgement(run)
+        recorded = (judged or {}).get("references") or {}
+        if recorded:
+            name, ref = next(iter(recorded.items()))
+            bound = (judged.get("context") or {}).get("max_staleness")
+            source = f"stage {name}'s reference, as recorded in gate_report.json"
+    diag = diagnosis_for(history, recipe, reference=ref, lag=1 if bound is None else bound)
     if as_json:
         out = {**diag.to_dict(), "recipe": "recipe.yaml" if recipe is not None else None}
         typer.echo(json.dumps(out, indent=2, default=str))
         return
     typer.echo(diag.summary)
+    if source is not None:
+        typer.echo(f"(thresholds calibrated on {source})")
     if recipe is None:
         typer.echo(f"(overrides not tailored to the run's recipe: {why})")
     blocks = [*diag.findings, *([diag.unseparated] if diag.unseparated else [])]

@@ -556,13 +556,32 @@ def diagnose_run(run: Run, tail: float = 0.25,
     and "continue" rules). ``thresholds``: the seed's defaults unless given (e.g. calibrated on
     a reference, :func:`training.algorithms.decision_tree.calibrated`)."""
     metrics = tail_means(run, run.metric_keys(), tail)
-    lag = dict(run.series(STALENESS_LAG))
     series: dict[str, list[float]] = {}
     for quantity in ("response_length", "pg_clipfrac", "proxy3_pure_noise",
                      "train_rollout_diff", "engine_diff", "staleness_kl", "reward"):
         key, pts = run.first_series(METRIC_ALIASES[quantity])
-        if quantity in ("train_rollout_diff", "staleness_kl") and any(v > 0 for v in lag.values()):
-            pts = [(s, v) for s, v in pts if lag.get(s, 1.0) > 0]
+        if quantity in ("train_rollout_diff", "staleness_kl"):
+            pts = lagged_only(run, pts)
         if pts:
             series[key] = [v for _, v in pts]
     return diagnose(metrics, thresholds or DEFAULT_THRESHOLDS, series)
+
+
+def lagged_only(run: Run, pts: Sequence[Point]) -> list[Point]:
+    """``pts`` at the run's lag > 0 steps when it has any (one-step's lag-0 first step is not the
+    start of a rise), else all of them: how the decision tree and :func:`quarter_ratio` read a
+    rise of the train–rollout |Δlogp| or the staleness KL."""
+    lag = dict(run.series(STALENESS_LAG))
+    if any(v > 0 for v in lag.values()):
+        return [(s, v) for s, v in pts if lag.get(s, 1.0) > 0]
+    return list(pts)
+
+
+def quarter_ratio(values: Sequence[float]) -> float | None:
+    """Mean of the last quarter ÷ mean of the first (≥ 1 point each, as the decision tree's
+    "rising" reads a series); None for fewer than 2 values or a first quarter ≤ 0."""
+    if len(values) < 2:
+        return None
+    k = max(1, math.ceil(len(values) / 4 - 1e-9))
+    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+    return last / first if first > 0 else None

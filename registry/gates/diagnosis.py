@@ -18,8 +18,10 @@ from registry.gates.core import (
     evaluate,
     fmt,
     gate_names,
+    lagged_only,
     mean_of,
     params_model,
+    quarter_ratio,
     tail_means,
     tail_points,
 )
@@ -28,6 +30,7 @@ from registry.gates.stats import step_sd
 from training.algorithms.decision_tree import (
     ENGINE_AGREEMENT,
     FIXES,
+    QUARTER_RATIO,
     UNSEPARATED,
     Diagnosis,
     calibrated,
@@ -50,9 +53,10 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     read like the gates read (training rows for training metrics, every row for ``eval/*``, None
     and non-numeric values skipped). With a metric logged every step this is the mean over the
     last 25 % of training steps; a sparse metric (eval every k steps) averages its own last 25 %
-    of values. Plus ``<key>/sd``, the step-to-step spread of that window, for the engine's
-    same-weights agreement metrics (``ENGINE_AGREEMENT``: the decision tree's calibration reads
-    it), and, for the train–rollout and the engine |Δlogp|
+    of values. Plus ``<key>/sd``, the step-to-step spread of that window (at least 3 points),
+    for the engine's same-weights agreement metrics (``ENGINE_AGREEMENT``), and
+    ``<key>/quarter_ratio``, last/first quarter means, for the train–rollout (lagged steps) and
+    the engine |Δlogp| — what the decision tree's calibration reads — and, for both |Δlogp|
     (:func:`~registry.gates.mismatch.mismatch_summary`): the fitted line's ``/slope``, ``/rise``,
     ``/start`` and ``/rel_rise`` (over the lag > 0 steps of a lagged run), and ``/sd``, ``/n`` —
     the step-to-step spread and size of the level's window, the noise the level gates use.
@@ -62,10 +66,21 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     run = Run(history)
     out = tail_means(run, run.metric_keys(), tail)
     out.update(mismatch_summary(run, tail))
-    for key, _ in ENGINE_AGREEMENT:  # the noise the decision tree's calibration reads
-        pts = tail_points(run.series(key), tail)
+    # what the decision tree's calibration reads: each same-weights metric's spread (the last
+    # ``tail`` of points, at least the last 3, as mismatch_summary's /sd) and each |Δlogp|
+    # series' own rise (last/first quarter means, the train–rollout one over the lagged steps)
+    for key, _ in ENGINE_AGREEMENT:
+        all_pts = run.series(key)
+        pts = tail_points(all_pts, tail)
+        pts = pts if len(pts) >= 3 else list(all_pts[-3:])
         if len(pts) >= 3:
             out[f"{key}/sd"] = step_sd([v for _, v in pts])
+    for key in (LOGPROB_DIFF, ENGINE_DIFF):
+        pts = run.series(key)
+        ratio = quarter_ratio([v for _, v in (lagged_only(run, pts) if key == LOGPROB_DIFF
+                                              else pts)])
+        if ratio is not None:
+            out[f"{key}/{QUARTER_RATIO}"] = ratio
     return dict(sorted(out.items()))
 
 

@@ -82,3 +82,29 @@ def test_bad_input_is_one_line_and_exit_1(tmp_path):
         res = runner.invoke(app, args)
         assert res.exit_code == 1, (args, res.output)
         assert message in res.output and res.output.count("\n") == 1, res.output
+
+
+def test_diagnose_takes_its_thresholds_from_the_reference_given_or_recorded(tmp_path):
+    """Issue 26 item 6 through the CLI, on the real `sync` history (the stress testbed's sync run,
+    whose engine gap doubles: A on the seed's thresholds): against itself — given with
+    --reference, or recorded in the run's gate_report.json as a campaign judged it — no cause."""
+    from registry.gates import summarize
+    from training.runtime.sinks import read_metrics
+
+    hist = REPO / "tests" / "registry" / "histories" / "sync.jsonl"
+    run = tmp_path / "sync"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(hist.read_text())
+    plain = runner.invoke(app, ["diagnose", str(run), "--json"])
+    assert plain.exit_code == 0 and json.loads(plain.stdout)["causes"] == ["A"]
+    given = runner.invoke(app, ["diagnose", str(run), "--reference", str(hist), "--json"])
+    out = json.loads(given.stdout)
+    assert out["causes"] == [] and any("2.354" in line for line in out["calibration"])
+    (run / "gate_report.json").write_text(json.dumps({"judged_with": {
+        "campaign_id": "c", "stage": "one-step", "candidate": "x", "gates": [],
+        "context": {"max_staleness": 0},
+        "references": {"baseline": summarize(read_metrics(hist))}}}))
+    recorded = runner.invoke(app, ["diagnose", str(run)])
+    assert recorded.exit_code == 0, recorded.output
+    assert "cause A" not in recorded.stdout
+    assert "(thresholds calibrated on stage baseline's reference, as recorded" in recorded.stdout

@@ -126,6 +126,9 @@ class Thresholds:
     # "rising" for the staleness KL (B's "grow with queue age"); None → diff_rise_ratio. Kept at
     # the seed's value by :func:`calibrated`: a sync reference has no staleness to rise.
     staleness_rise_ratio: float | None = None
+    # "rising" for the exact engine |Δlogp| (A when it rises with the train–rollout gap); None →
+    # diff_rise_ratio. :func:`calibrated` sets it from the reference's own engine rise.
+    engine_rise_ratio: float | None = None
 
 
 #: The same-weights agreement quantities cause A reads, as (metric, ideal value): the tree's
@@ -135,20 +138,24 @@ ENGINE_AGREEMENT = (("mismatch/engine/kl_k1", 0.0), ("mismatch/engine/probs_pear
 #: The reference's size of one update (the KL between consecutive policy versions on the batch
 #: trained): what one step of lag costs, whatever the learning rate (first present wins).
 UPDATE_KL = ("policy/update_kl", "policy/update/kl_k3")
+#: The summary suffix of a series' last/first quarter-mean ratio (``registry.gates.summarize``).
+QUARTER_RATIO = "quarter_ratio"
 
 
-def calibrated(reference: Mapping[str, float], lag: int = 1,
+def calibrated(reference: Mapping[str, float], lag: int | None = 1,
                base: Thresholds | None = None) -> tuple[Thresholds, tuple[str, ...]]:
     """Thresholds taken from a campaign's reference (a healthy synchronous run's summary,
     ``registry.gates.summarize``) where the seed's absolute values come from another stack.
 
     Each one that the reference has the data for, with what it replaces:
 
-    * **"rising"** (``diff_rise_ratio``): the seed's 1.5× of the first quarter, plus the
-      reference's own relative rise of the exact engine |Δlogp| (``…/rel_rise`` of the fitted line,
-      when > 0) — the gates' rule for ``logprob_diff_flat``: a rise the healthy reference had
-      itself is no cause. A sync reference judged by itself then shows no A. (The staleness
-      KL's "rising" stays at the seed's 1.5×: a sync reference has no staleness to rise.)
+    * **"rising"** (``diff_rise_ratio`` for the train–rollout |Δlogp|, ``engine_rise_ratio`` for
+      the exact engine |Δlogp|): the seed's 1.5× of the first quarter, plus the reference's own
+      rise of the same series measured the same way (``<key>/quarter_ratio`` − 1 from
+      ``registry.gates.summarize``: last/first quarter means, over the lagged steps for the
+      train–rollout gap), when it rose — a rise the healthy reference had itself is no cause. A
+      sync reference judged by itself then shows no A. (The staleness KL's "rising" stays at
+      the seed's 1.5×: a sync reference has no staleness to rise.)
     * **B's staleness-KL level** (``staleness_kl_max``): max(seed's 0.02, ``lag`` × the reference's
       update KL ``policy/update_kl``). One step of lag is one update's KL; a staleness KL at that
       level is the lag the mode asks for, not drift (seed 000 measured at a small learning rate,
@@ -157,9 +164,10 @@ def calibrated(reference: Mapping[str, float], lag: int = 1,
       ``probs_diff_max_large``), where the reference logs the metric and its step-to-step spread
       ``…/sd``: as a deviation d from the ideal (0 for KL and max |Δp|, 1 for Pearson and the PPL
       ratio), the limit is max(1.5 × d_ref, d_ref + 3 × sd_ref) — the engine level's rule in
-      ``engine_mismatch_flat``. It can be tighter than the seed's number (a precise engine pair)
-      or looser (a noisier one); ``pearson_healthy`` and ``kl_healthy`` follow so "healthy"
-      stays reachable.
+      ``engine_mismatch_flat`` — and never below a tenth of the seed's own deviation (a
+      bit-exact reference would otherwise make any rounding a cause). It can be tighter than the
+      seed's number (a precise engine pair) or looser (a noisier one); ``pearson_healthy`` and
+      ``kl_healthy`` follow so "healthy" stays reachable.
 
     Left as the seed gives them: the staleness ratio p99 (a sync reference has no staleness and
     logs the update's |Δlogp| p99, not its ratio; B's level rules fire only with a rising series
@@ -167,9 +175,10 @@ def calibrated(reference: Mapping[str, float], lag: int = 1,
     optimiser, not of the engine pair).
 
     Returns the thresholds and one line per value taken, naming the reference figure it came
-    from (the diagnosis shows them).
+    from (the diagnosis shows them). ``lag`` None (unbounded staleness) counts as 1.
     """
     t = base or Thresholds()
+    lag = 1 if lag is None else lag
     notes: list[str] = []
     changes: dict[str, float] = {}
 
@@ -177,19 +186,24 @@ def calibrated(reference: Mapping[str, float], lag: int = 1,
         v = reference.get(key)
         return float(v) if v is not None and math.isfinite(float(v)) else None
 
-    rel = num(f"{ENGINE_DIFF}/rel_rise")
-    if rel is not None and rel > 0:
-        changes["diff_rise_ratio"] = t.diff_rise_ratio + rel
-        if t.staleness_rise_ratio is None:
-            changes["staleness_rise_ratio"] = t.diff_rise_ratio
-        notes.append(f"rising = last/first quarter > {t.diff_rise_ratio + rel:.4g} "
-                     f"(the seed's {t.diff_rise_ratio:.4g} + the reference's own rise "
-                     f"{rel:.4g} of {ENGINE_DIFF})")
+    for key, field_name in ((TRAIN_ROLLOUT_DIFF, "diff_rise_ratio"),
+                            (ENGINE_DIFF, "engine_rise_ratio")):
+        ratio = num(f"{key}/{QUARTER_RATIO}")
+        if ratio is not None and ratio > 1:
+            changes[field_name] = t.diff_rise_ratio + (ratio - 1)
+            notes.append(f"{key} rising = last/first quarter > {changes[field_name]:.4g} (the "
+                         f"seed's {t.diff_rise_ratio:.4g} + the reference's own rise "
+                         f"{ratio - 1:.4g}: last/first quarter {ratio:.4g})")
+    if changes and t.staleness_rise_ratio is None:
+        changes["staleness_rise_ratio"] = t.diff_rise_ratio
     upd = next((v for v in (num(k) for k in UPDATE_KL) if v is not None), None)
     if upd is not None and lag > 0 and lag * upd > t.kl_healthy:
         changes["staleness_kl_max"] = lag * upd
         notes.append(f"is/staleness/kl_k1 bound {lag * upd:.4g} = lag {lag} × the reference's "
                      f"update KL {upd:.4g} (the seed's {t.kl_healthy:.4g} is below one update)")
+    seed_dev = {"kl_engine": t.kl_engine, "pearson_broken": 1.0 - t.pearson_broken,
+                "ppl_ratio_tolerance": t.ppl_ratio_tolerance,
+                "probs_diff_max_large": t.probs_diff_max_large}
     fields = {"mismatch/engine/kl_k1": "kl_engine",
               "mismatch/engine/probs_pearson": "pearson_broken",
               "mismatch/engine/ppl_ratio": "ppl_ratio_tolerance",
@@ -198,13 +212,16 @@ def calibrated(reference: Mapping[str, float], lag: int = 1,
         v, sd = num(key), num(f"{key}/sd")
         if v is None or sd is None:
             continue
-        d = abs(v - ideal)
-        limit = max(1.5 * d, d + 3 * sd)
         name = fields[key]
+        d = abs(v - ideal)
+        # a bit-exact reference (d = sd = 0) would give a zero limit that any rounding crosses:
+        # the limit never goes below a tenth of the seed's own deviation
+        floor = 0.1 * seed_dev[name]
+        limit = max(1.5 * d, d + 3 * sd, floor)
         value = 1.0 - limit if key.endswith("probs_pearson") else limit
         changes[name] = value
-        notes.append(f"{name} {value:.4g} from the reference's {key} {v:.4g} "
-                     f"(sd {sd:.3g}): deviation limit max(1.5 × {d:.3g}, {d:.3g} + 3 sd)")
+        notes.append(f"{name} {value:.4g} from the reference's {key} {v:.4g} (sd {sd:.3g}): "
+                     f"deviation limit max(1.5 × {d:.3g}, {d:.3g} + 3 sd, floor {floor:.3g})")
     if "pearson_broken" in changes:
         changes["pearson_healthy"] = min(t.pearson_healthy, changes["pearson_broken"])
     if "kl_engine" in changes:
@@ -550,13 +567,14 @@ def _attribute_rise(t: Thresholds, train_rollout: tuple[str, list[float]] | None
         return
     e_first, e_last = _quarter_means(engine[1])
     e_ratio = e_last / e_first if e_first > 0 else math.inf
+    e_limit = t.diff_rise_ratio if t.engine_rise_ratio is None else t.engine_rise_ratio
     label = f"{engine[0]} last/first quarter"
-    if e_ratio > t.diff_rise_ratio:
+    if e_ratio > e_limit:
         add("A", rise)
-        add("A", Evidence(label, e_ratio, ">", t.diff_rise_ratio))
+        add("A", Evidence(label, e_ratio, ">", e_limit))
     else:
         add("B", rise)
-        add("B", Evidence(label, e_ratio, "≤", t.diff_rise_ratio))
+        add("B", Evidence(label, e_ratio, "≤", e_limit))
 
 
 def _escalation(t: Thresholds, chi2, mask_frac, ess, pearson) -> str | None:

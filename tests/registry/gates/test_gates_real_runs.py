@@ -103,11 +103,12 @@ def test_the_decision_tree_calibrated_on_the_reference_fires_on_causes_not_on_th
     """Issue 26 item 6: with the campaign's reference the tree's "rising" includes the rise the
     healthy reference had itself, and B's staleness-KL level is one update of the reference's."""
     sync = summarize(run("sync"))
-    # uncalibrated, the sync reference's own doubling engine gap (0.007 → 0.013) reads as A;
-    # against itself (rising > 1.5 + its rise 1.104) it is no cause
+    # uncalibrated, the sync reference's own doubling engine gap (0.007 → 0.013, last/first
+    # quarter 1.854) reads as A; against itself (rising > 1.5 + its own 0.854) it is no cause
     assert diagnosis_for(run("sync")).causes == ["A"]
+    assert sync[f"{LP}/quarter_ratio"] == pytest.approx(1.854, abs=1e-3)
     own = diagnosis_for(run("sync"), reference=sync, lag=0)
-    assert own.causes == [] and any("2.604" in line for line in own.calibration)
+    assert own.causes == [] and any("2.354" in line for line in own.calibration)
     # the one-step partner's staleness still grows 4.5× (seed 001's B) beyond the seed's 1.5×
     one = diagnosis_for(run("one"), reference=sync, lag=1)
     assert one.causes == ["B"]

@@ -232,12 +232,14 @@ def test_b_with_ess_and_a_stable_reward_is_information_only():
 def test_calibrated_takes_each_threshold_from_the_reference_by_its_rule():
     from training.algorithms.decision_tree import calibrated
 
-    ref = {"mismatch/engine/logprob_abs_diff/mean/rel_rise": 0.4,
+    ref = {"mismatch/train_rollout/logprob_abs_diff/mean/quarter_ratio": 1.4,
+           "mismatch/engine/logprob_abs_diff/mean/quarter_ratio": 1.2,
            "policy/update_kl": 0.03,
            "mismatch/engine/kl_k1": 0.002, "mismatch/engine/kl_k1/sd": 0.001,
            "mismatch/engine/probs_pearson": 0.996, "mismatch/engine/probs_pearson/sd": 0.002}
     t, notes = calibrated(ref, lag=2)
     assert t.diff_rise_ratio == pytest.approx(1.9)        # the seed's 1.5 + the reference's 0.4
+    assert t.engine_rise_ratio == pytest.approx(1.7)      # 1.5 + the engine series' own 0.2
     assert t.staleness_rise_ratio == pytest.approx(1.5)   # a sync reference has no staleness rise
     assert t.staleness_kl_max == pytest.approx(0.06)      # lag 2 × one update's KL 0.03
     assert t.kl_engine == pytest.approx(0.005)            # max(1.5 × 0.002, 0.002 + 3 × 0.001)
@@ -246,7 +248,7 @@ def test_calibrated_takes_each_threshold_from_the_reference_by_its_rule():
     assert t.kl_healthy == pytest.approx(0.02)            # max(0.02, kl_engine)
     # no spread for the PPL ratio or max |Δp| in the reference: the seed's values stay
     assert (t.ppl_ratio_tolerance, t.probs_diff_max_large) == (0.05, 0.5)
-    assert len(notes) == 4 and any("lag 2 × the reference's update KL 0.03" in n for n in notes)
+    assert len(notes) == 5 and any("lag 2 × the reference's update KL 0.03" in n for n in notes)
     # tighter than the seed: an engine KL of 0.01 is A on this pair, not under the seed's 0.05
     m = {"mismatch/engine/exact": 1.0, "mismatch/engine/kl_k1": 0.01}
     assert diagnose(m).causes == () and diagnose(m, t).causes == ("A",)
@@ -255,3 +257,22 @@ def test_calibrated_takes_each_threshold_from_the_reference_by_its_rule():
     assert diagnose(s).causes == ("B",) and diagnose(s, t).causes == ()
     # nothing in the reference: the seed's thresholds, no notes
     assert calibrated({}) == (Thresholds(), ())
+
+
+def test_calibrated_floors_a_bit_exact_reference_and_reads_unbounded_lag_as_one():
+    from training.algorithms.decision_tree import calibrated
+
+    exact = {"mismatch/engine/kl_k1": 0.0, "mismatch/engine/kl_k1/sd": 0.0,
+             "mismatch/engine/probs_pearson": 1.0, "mismatch/engine/probs_pearson/sd": 0.0}
+    t, _ = calibrated(exact)
+    # a tenth of the seed's own deviations (0.05 and 1 − 0.95), not 0
+    assert t.kl_engine == pytest.approx(0.005) and t.pearson_broken == pytest.approx(0.995)
+    rounding = {"mismatch/engine/exact": 1.0, "mismatch/engine/kl_k1": 1e-7,
+                "mismatch/engine/probs_pearson": 0.99999}
+    assert diagnose(rounding, t).causes == ()
+    # lag None (unbounded staleness) is at least one update of lag
+    t, _ = calibrated({"policy/update_kl": 0.05}, None)
+    assert t.staleness_kl_max == pytest.approx(0.05)
+    # a reference whose gap fell sets no "rising" (the seed's 1.5× stays)
+    t, notes = calibrated({"mismatch/engine/logprob_abs_diff/mean/quarter_ratio": 0.8})
+    assert t.engine_rise_ratio is None and t.diff_rise_ratio == 1.5 and notes == ()
