@@ -208,10 +208,13 @@ def diagnose_cmd(
         ref, source = summarize(_history(reference)), str(reference)
     else:
         judged, _ = _recorded_judgement(run)
-        recorded = (judged or {}).get("references") or {}
-        if recorded:
-            name, ref = next(iter(recorded.items()))
-            bound = (judged.get("context") or {}).get("max_staleness")
+        recorded = (judged or {}).get("references")
+        first = next(iter(recorded.items()), None) if isinstance(recorded, dict) else None
+        if first is not None and isinstance(first[1], dict):  # else: not judged against one
+            name, ref = first
+            context = judged.get("context")
+            recorded_bound = context.get("max_staleness") if isinstance(context, dict) else None
+            bound = recorded_bound if isinstance(recorded_bound, int) else None
             source = f"stage {name}'s reference, as recorded in gate_report.json"
     diag = diagnosis_for(history, recipe, reference=ref, lag=1 if bound is None else bound)
     if as_json:

@@ -108,3 +108,9 @@ def test_diagnose_takes_its_thresholds_from_the_reference_given_or_recorded(tmp_
     assert recorded.exit_code == 0, recorded.output
     assert "cause A" not in recorded.stdout
     assert "(thresholds calibrated on stage baseline's reference, as recorded" in recorded.stdout
+    # a hand-edited gate_report.json whose reference is not a summary: diagnosed uncalibrated,
+    # no traceback
+    (run / "gate_report.json").write_text(json.dumps({"judged_with": {
+        "gates": [], "context": "?", "references": {"baseline": [1, 2]}}}))
+    odd = runner.invoke(app, ["diagnose", str(run), "--json"])
+    assert odd.exit_code == 0 and json.loads(odd.stdout)["causes"] == ["A"], odd.output

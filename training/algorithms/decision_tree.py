@@ -182,9 +182,12 @@ def calibrated(reference: Mapping[str, float], lag: int | None = 1,
     notes: list[str] = []
     changes: dict[str, float] = {}
 
-    def num(key: str) -> float | None:
-        v = reference.get(key)
-        return float(v) if v is not None and math.isfinite(float(v)) else None
+    def num(key: str) -> float | None:  # a missing, non-numeric or non-finite value: unknown
+        try:
+            v = float(reference[key])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return v if math.isfinite(v) else None
 
     for key, field_name in ((TRAIN_ROLLOUT_DIFF, "diff_rise_ratio"),
                             (ENGINE_DIFF, "engine_rise_ratio")):

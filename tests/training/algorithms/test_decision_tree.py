@@ -273,6 +273,9 @@ def test_calibrated_floors_a_bit_exact_reference_and_reads_unbounded_lag_as_one(
     # lag None (unbounded staleness) is at least one update of lag
     t, _ = calibrated({"policy/update_kl": 0.05}, None)
     assert t.staleness_kl_max == pytest.approx(0.05)
+    # a value that is not a finite number is unknown, not an error
+    assert calibrated({"policy/update_kl": "x", "mismatch/engine/kl_k1": float("nan"),
+                       "mismatch/engine/kl_k1/sd": None}) == (Thresholds(), ())
     # a reference whose gap fell sets no "rising" (the seed's 1.5× stays)
     t, notes = calibrated({"mismatch/engine/logprob_abs_diff/mean/quarter_ratio": 0.8})
     assert t.engine_rise_ratio is None and t.diff_rise_ratio == 1.5 and notes == ()
