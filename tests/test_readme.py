@@ -20,11 +20,15 @@ def test_docs_python_example_runs(capsys):
 
 
 def test_readme_quick_start_matches_ci():
-    """.ci/run must run the README's test command verbatim."""
+    """.ci/run must run the README's test command and its slow-test command verbatim, and the
+    two together select every test (one deselects ``slow``, the other selects only it)."""
     ci = (README.parent / ".ci" / "run").read_text()
     commands = re.findall(r"```bash\n\s*(.*?)\n\s*```", README.read_text(), flags=re.S)
-    assert len(commands) >= 2
-    assert commands[1].strip() in ci
+    assert len(commands) >= 3
+    test, slow = commands[1].strip(), commands[2].strip()
+    assert test in ci and slow in ci
+    assert ci.index(test) < ci.index(slow)
+    assert test.endswith('pytest -q -m "not slow"') and slow.endswith("pytest -q -m slow")
 
 
 def test_readme_test_command_builds_the_docs_strictly():

@@ -2,10 +2,13 @@
 
 ``run_campaign(tmp_path_factory, name, campaign)`` is a context manager: it gives the campaign its
 own ``$ASYNCRL_HOME`` (so the registry, MLflow store and run directories are the test's own),
-writes ``campaign`` (a dict) there as ``<name>.yaml``, starts Prefect's test harness (a temporary
-API server) and yields ``(home, path)``; on exit it shuts Ray down if a run started it and restores
-``ASYNCRL_HOME`` and ``MLFLOW_TRACKING_URI``. The tests then call ``flows.campaign.campaign_flow``
-inside it, as ``asyncrl campaign launch`` does.
+writes ``campaign`` (a dict) there as ``<name>.yaml`` and yields ``(home, path)``; on exit it shuts
+Ray down if a run started it and restores ``ASYNCRL_HOME`` and ``MLFLOW_TRACKING_URI``. The tests
+then call ``flows.campaign.campaign_flow`` inside it, as ``asyncrl campaign launch`` does.
+
+Prefect's test harness (a temporary API server and database, 10-17 s to start on 2 cores) is one
+for the package (``prefect_harness``), started by the first campaign fixture and shared by the
+rest: every campaign has its own id, so their flow runs do not mix.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ _SAVED = ("ASYNCRL_HOME", "MLFLOW_TRACKING_URI")
 @contextlib.contextmanager
 def _run_campaign(tmp_path_factory: pytest.TempPathFactory, name: str,
                   campaign: Mapping[str, Any]) -> Iterator[tuple[Path, Path]]:
-    from prefect.testing.utilities import prefect_test_harness
-
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k) for k in _SAVED}
     os.environ["ASYNCRL_HOME"] = str(home)
@@ -36,8 +37,7 @@ def _run_campaign(tmp_path_factory: pytest.TempPathFactory, name: str,
     import ray
 
     try:
-        with prefect_test_harness(server_startup_timeout=120):
-            yield home, path
+        yield home, path
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -48,7 +48,17 @@ def _run_campaign(tmp_path_factory: pytest.TempPathFactory, name: str,
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="session")
-def run_campaign():
-    """The harness above (a session fixture, so module-scoped campaign fixtures can use it)."""
+@pytest.fixture(scope="package")
+def prefect_harness() -> Iterator[None]:
+    """One Prefect test harness for the package's campaign fixtures, stopped after its last test."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="package")
+def run_campaign(prefect_harness):
+    """The context manager above (package scope, so module-scoped campaign fixtures can use it),
+    inside the package's Prefect harness."""
     return _run_campaign

@@ -25,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow  # the campaign killed at five points and resumed (≈4 min)
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASH_AT = Path(__file__).with_name("crash_at.py")

@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from ui.cli import app
 
+pytestmark = pytest.mark.slow  # a first launch that builds its warm start (≈1 min)
+
 TINY = {
     "name": "tiny",
     "steps": 2,

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # a campaign with a re-run reference (≈1.5 min)
+
 TINY = {
     "name": "tiny", "steps": 2,
     "model": {"kind": "warmstart", "warmstart_steps": 20, "hidden_size": 32, "num_layers": 2},

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # a 7-run campaign (≈2 min)
+
 TINY = yaml.safe_load((Path(__file__).parents[1] / "tiny-recipe.yaml").read_text())
 
 CAMPAIGN = {

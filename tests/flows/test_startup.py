@@ -45,6 +45,7 @@ def _session(sid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_starts_all_three_and_leaves_nothing_running(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS",

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # a stress campaign of 3 runs (≈1.5 min)
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = {
     "steps": 4,

@@ -157,6 +157,7 @@ def test_tracker_on_a_fresh_postgres_database(services_home: Path, pg: str, tmp_
     assert client.get_run(child).info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_up_serves_the_postgres_store(services_home: Path, postgres_db: str, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     app = typer.Typer()

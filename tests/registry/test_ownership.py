@@ -124,6 +124,7 @@ def _race(url: str, barrier, results) -> None:
         db.close()
 
 
+@pytest.mark.slow
 def test_racing_processes_get_exactly_one_owner(db_url, monkeypatch):
     _db(db_url).close()
     # spawned children unpickle _race from this module: they get the parent's sys.path, which

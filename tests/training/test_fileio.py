@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from training.fileio import atomic_write_text, recover_dir, replace_dir
 
 ROWS = 40_000  # ~4 MB of JSONL: the rewrite takes long enough to be hit
@@ -64,6 +66,7 @@ def _kill_during_rewrites(path: Path, code: str, trials: int) -> list[str]:
     return seen
 
 
+@pytest.mark.slow
 def test_kill_during_the_metrics_rewrite_keeps_the_whole_history(tmp_path):
     path = tmp_path / "metrics.jsonl"
     full = _history(path)
@@ -73,6 +76,7 @@ def test_kill_during_the_metrics_rewrite_keeps_the_whole_history(tmp_path):
     assert all(name.startswith(".metrics.jsonl.tmp-") for name in leftovers)
 
 
+@pytest.mark.slow
 def test_control_a_plain_rewrite_loses_history_when_killed(tmp_path):
     """Why the atomic write exists: the same kills against ``write_text`` leave a cut file."""
     path = tmp_path / "metrics.jsonl"

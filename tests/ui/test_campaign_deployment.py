@@ -67,6 +67,7 @@ def env(tmp_path: Path) -> dict[str, str]:
     return e
 
 
+@pytest.mark.slow
 def test_deployment_needs_a_server(tmp_path: Path, env: dict[str, str]) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(CAMPAIGN))
@@ -139,6 +140,7 @@ def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str])
         _stop_serving_and_down(serve, env)
 
 
+@pytest.mark.slow
 def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
         tmp_path: Path, env: dict[str, str]) -> None:
     """Scheduling from the Prefect UI: `asyncrl deploy --interval` on a real Prefect server gets

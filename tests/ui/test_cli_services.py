@@ -39,6 +39,7 @@ def _one_error_line(result) -> str:
 # --- up / down ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_up_mlflow_then_down(cli, services_home: Path) -> None:
     port = free_port()
     r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
@@ -219,6 +220,7 @@ def test_compare_json(cli, services_home: Path, two_runs) -> None:
     assert data["mlflow_compare_url"] is None
 
 
+@pytest.mark.slow
 def test_links_resolve_on_a_running_mlflow_server(cli, services_home: Path, two_runs,
                                                  monkeypatch) -> None:
     """`compare`'s link, a run's link and the "where to look" hint, against a real MLflow server

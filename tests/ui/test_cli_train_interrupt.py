@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # asyncrl train interrupted and resumed (≈1.3 min)
+
 RECIPE = {
     "name": "interrupt", "steps": 40,
     "model": {"kind": "warmstart", "warmstart_steps": 60, "hidden_size": 32, "num_layers": 2},

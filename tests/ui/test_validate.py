@@ -434,6 +434,7 @@ _SUBPROCESS_CASES = ["bomb in task.args", "bomb in overrides", "integer of 5000 
                      "escape codes in a key", "UTF-16 with BOM"]
 
 
+@pytest.mark.slow
 def test_hostile_files_in_a_real_process_under_memory_and_time_limits(tmp_path):
     cases = {label: (content, needles) for label, content, needles in HAND
              if label in _SUBPROCESS_CASES}

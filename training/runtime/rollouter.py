@@ -201,8 +201,6 @@ class Rollouter:
                  start: RolloutState | None = None, version: int = 0,
                  control_urls: list[str] | None = None,
                  weights_path: str | None = None) -> None:
-        import torch
-        torch.set_num_threads(1)
         self.recipe = recipe
         self.task = build_task(self.recipe)
         self.tokenizer = CharTokenizer()
@@ -267,6 +265,9 @@ class Rollouter:
             if weights_path is None:
                 raise ValueError("old_logprob: interrupt needs the served weights' directory: "
                                  "pass weights_path")
+            import torch  # only π_old's copy needs torch here: other runs skip its import
+
+            torch.set_num_threads(1)
             self.held = HeldPolicy(weights_path, self.version, r.rollout.temperature)
             self.counters["old_logit_missing"] = 0
         self._live: dict[tuple[int, int], _Response] = {}

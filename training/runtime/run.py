@@ -312,9 +312,17 @@ class Runtime:
         try:
             ray = self._ray()
             restore = self._catch_sigint()  # after ray.init, which may install its own handler
+            # the embedded trainer's constructor (torch's import, the model and optimizer:
+            # seconds) overlaps the engines' start; Megatron's ranks take a placement group, so
+            # they wait until the engines have theirs
+            trainer_first = self.recipe.engines.train == "embedded"
+            if trainer_first:
+                self._start_trainer(ray, trainer_resume)
             urls = self._start_engines(ray, engine_dir)
+            if not trainer_first:
+                self._start_trainer(ray, trainer_resume)
             version0 = int(read_meta(engine_dir).get("weight_version", 0))
-            self._create_actors(ray, urls, trainer_resume, resume_state, version0, engine_dir)
+            self._create_actors(ray, urls, resume_state, version0, engine_dir)
             if not self.step_start_versions:
                 self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
             if resume_state is None and self.recipe.eval.n > 0:
@@ -377,17 +385,25 @@ class Runtime:
         signal.signal(signal.SIGINT, handler)
         return lambda: signal.signal(signal.SIGINT, previous)
 
-    def _create_actors(self, ray: Any, urls: list[str], trainer_resume: str | None,
+    def _start_trainer(self, ray: Any, trainer_resume: str | None) -> None:
+        """Create the trainer actor (its constructor runs in its own process; ``ping`` waits for
+        it) and list it for :meth:`_shutdown`."""
+        from training.runtime.actors import TrainerWorker
+
+        r = self.recipe
+        total_opt = self.total_steps * r.async_.require_batches * r.optim.epochs
+        self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(
+            r, str(self.init_dir), trainer_resume, total_opt)
+        self._actors = [self.trainer]
+
+    def _create_actors(self, ray: Any, urls: list[str],
                        resume_state: RunState | None, version0: int, engine_dir: Path) -> None:
-        from training.runtime.actors import SampleBuffer, TrainerWorker
+        from training.runtime.actors import SampleBuffer
         from training.runtime.rollouter import Rollouter
 
         r = self.recipe
         drain = r.drain
         self.buffer = ray.remote(num_cpus=0)(SampleBuffer).remote(drain, r.data.window)
-        total_opt = self.total_steps * r.async_.require_batches * r.optim.epochs
-        self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(
-            r, str(self.init_dir), trainer_resume, total_opt)
         start = None
         if resume_state is not None:
             start = resume_state.rollouter

@@ -79,6 +79,7 @@ def test_engine_serving_other_weights_is_refused(moe_ckpt, tmp_path):
             run_mismatch_check(moe_ckpt, server.url, prompts=2)
 
 
+@pytest.mark.slow
 def test_engine_serving_other_weights_of_the_same_version_is_refused(moe_ckpt, tmp_path):
     from training.engines.embedded.launch import EmbeddedServer
     from training.engines.rollout import RolloutEngineError

@@ -59,6 +59,7 @@ async def _until(predicate, what, timeout=30.0):
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_router_survives_a_killed_engine_and_readmits_it_with_current_weights(fleet, tmp_path):
     a, b = fleet
     update = _checkpoint(tmp_path / "v3", seed=1)
@@ -131,6 +132,7 @@ def test_sync_client_balances_by_outstanding_tokens_and_fans_out(fleet):
         assert client.stats().retries == 0
 
 
+@pytest.mark.slow
 def test_health_checks_eject_and_readmit_without_traffic(tmp_path):
     srv = EmbeddedServer(_checkpoint(tmp_path / "ckpt"), dtype="fp32",
                          log_path=tmp_path / "s.log")

@@ -63,6 +63,7 @@ async def _until_decoding(url: str) -> None:
             await asyncio.sleep(0.002)
 
 
+@pytest.mark.slow
 def test_carried_old_logprobs_are_the_trainer_at_each_tokens_version(tiny_ckpt, tmp_path):
     recipe = _recipe(tiny_ckpt)
     assert recipe.partial_interrupt == "abort_resume"  # auto: the tokens come back at a pause

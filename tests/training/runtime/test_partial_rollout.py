@@ -73,6 +73,7 @@ def one_version_per_request(monkeypatch):
     monkeypatch.setattr(GenerateResult, "from_sglang", classmethod(parse))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("interrupt", "model"), [
     ("retract", "dense"), ("abort_resume", "dense"), ("retract", "moe"), ("abort_resume", "moe")])
 def test_partial_rollout_versions_and_snapshot_old_logprobs(tiny_ckpts, tmp_path, interrupt,

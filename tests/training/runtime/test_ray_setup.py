@@ -176,6 +176,7 @@ def wait_gone(procs: dict[int, psutil.Process], session: str) -> float:
                          f"{[describe(p) for p in left]}")
 
 
+@pytest.mark.slow
 def test_local_run_listens_on_loopback_only(paused_run):
     names = {" ".join(p.cmdline()) for p in alive(paused_run.procs)}
     for actor in ("ray::TrainerWorker", "ray::Rollouter", "ray::SampleBuffer"):
@@ -194,6 +195,7 @@ def test_local_run_listens_on_loopback_only(paused_run):
     wait_gone(paused_run.procs, paused_run.session)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill -9 of the driver", "kill -9 of its process group"])
 def test_everything_the_run_started_dies_with_it(paused_run, how):
     procs = paused_run.procs

@@ -77,6 +77,7 @@ def test_sync_mode_is_on_policy(ray_session, tmp_path):
     assert json.loads((res.run_dir / "summary.json").read_text())["steps"] == 3
 
 
+@pytest.mark.slow
 def test_one_step_staleness_at_most_one(ray_session, tmp_path):
     res = run_recipe(tiny("one_step", 4), out=tmp_path / "run")
     rows = step_rows(res.run_dir)
@@ -87,6 +88,7 @@ def test_one_step_staleness_at_most_one(ray_session, tmp_path):
     check_counts(rows)
 
 
+@pytest.mark.slow
 def test_dedicated_old_logit_model_follows_the_synced_versions(ray_session, tmp_path):
     """old_logprob: dedicated end to end (seed 003 §5.1): one_step batches come from the two
     newest synced versions, which the dedicated model holds, so every token's π_old is exact."""
@@ -107,6 +109,7 @@ def test_dedicated_old_logit_model_follows_the_synced_versions(ray_session, tmp_
     check_counts(rows)
 
 
+@pytest.mark.slow
 def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     recipe = tiny("fully_async", 8,
                   **{"async": {"mode": "fully_async", "staleness_threshold": 1.0,
@@ -129,6 +132,7 @@ def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     assert rows[-1]["dispatch/probes"] > 0 and rows[-1]["dispatch/cache_hits"] > 0
 
 
+@pytest.mark.slow
 def test_fully_async_tool_trajectories_end_to_end(ray_session, tmp_path):
     """The agentic task through the whole runtime: calc_chain trajectories (calls, observations
     with loss mask 0) under fully async with partial rollout; the source-5 split is logged."""
@@ -177,6 +181,7 @@ def test_split_stale_drops_exactly_the_too_old_samples():
     assert dropped == 0 and staleness == [0, 1]
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_run_loses_nothing(ray_session, tmp_path):
     recipe = tiny("fully_async", 6,
                   **{"async": {"mode": "fully_async", "staleness_threshold": 0.5}})
@@ -199,6 +204,7 @@ def test_engine_killed_mid_run_loses_nothing(ray_session, tmp_path):
     assert rows[-1]["async/engines_admitted"] == 1
 
 
+@pytest.mark.slow
 def test_resume_continues_without_double_counting(ray_session, tmp_path):
     run_dir = tmp_path / "run"
     first = run_recipe(tiny("one_step", 4), out=run_dir, steps=2)
@@ -228,6 +234,7 @@ def test_resume_continues_without_double_counting(ray_session, tmp_path):
                      for r in read_metrics(run_dir / "metrics.jsonl") if "eval/reward_mean" in r]
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_recipe(ray_session, tmp_path):
     run_dir = tmp_path / "run"
     run_recipe(tiny("sync", 1), out=run_dir)
@@ -293,6 +300,7 @@ def test_a_checkpoints_declared_experts_must_match_its_config(tmp_path):
     assert initial_checkpoint(ok) == dense
 
 
+@pytest.mark.slow
 def test_moe_fully_async_with_rollout_routing_replay(ray_session, tmp_path):
     recipe = tiny("fully_async", 3,
                   model={"moe_experts": 4, "moe_top_k": 2},

@@ -41,6 +41,7 @@ def _rows(run_dir):
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if not r.get("step/eval_only")]
 
 
+@pytest.mark.slow
 def test_kl_loss_and_guards_end_to_end_with_resume(ray_session, tmp_path, caplog):
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="asyncrl.runtime"):

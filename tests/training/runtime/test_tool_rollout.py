@@ -70,6 +70,7 @@ def _nudge(engine: EmbeddedTrainEngine) -> None:
     engine.train_step(batch, torch.ones_like(old), old)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interrupt", ["retract", "abort_resume"])
 def test_tool_trajectories_across_syncs(tool_ckpt, tmp_path, interrupt):
     recipe = recipe_from_dict({

@@ -90,23 +90,24 @@ class ServerProcess:
         """Block until ``GET url`` answers 200. Raises :class:`ServerExitedError` when the process
         exits first, :class:`ServerStartTimeout` after ``timeout_s``; both quote the log tail."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.alive():
-                raise ServerExitedError(
-                    f"{self.command[0]} exited (code {self.returncode}) before {url} answered; "
-                    f"log {self.log_path}:\n{self.log_tail()}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ServerStartTimeout(
-                    f"{url} did not answer 200 within {timeout_s:.0f} s; log {self.log_path}:\n"
-                    f"{self.log_tail()}")
-            try:
-                # /health_generate runs a generation: allow it time, but not past the deadline
-                if httpx.get(url, timeout=max(0.5, min(30.0, left))).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+        with httpx.Client() as http:  # one client (and SSL context) for the whole wait
+            while True:
+                if not self.alive():
+                    raise ServerExitedError(
+                        f"{self.command[0]} exited (code {self.returncode}) before {url} answered; "
+                        f"log {self.log_path}:\n{self.log_tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServerStartTimeout(
+                        f"{url} did not answer 200 within {timeout_s:.0f} s; log {self.log_path}:\n"
+                        f"{self.log_tail()}")
+                try:
+                    # /health_generate runs a generation: allow it time, but not past the deadline
+                    if http.get(url, timeout=max(0.5, min(30.0, left))).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
 
     def kill(self) -> None:
         """SIGKILL the process itself (a crash, as clients see it)."""

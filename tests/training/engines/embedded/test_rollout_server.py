@@ -472,6 +472,7 @@ def test_bodies_that_are_not_plain_json_are_400(servers, raw, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.slow
 def test_cli_announces_once_listening_and_a_port_in_use_fails_in_one_line(ckpts):
     port = str(free_port())
     serve = [sys.executable, "-m", "ui.cli", "engine", "serve", "--checkpoint",
@@ -517,6 +518,7 @@ def test_cli_rejects_a_bad_checkpoint_in_one_line(tmp_path):
     assert res.output.startswith("error: ")
 
 
+@pytest.mark.slow
 def test_server_exits_when_the_process_that_started_it_is_killed(ckpts, tmp_path):
     """kill -9 of a run must not leave its engine servers behind (they watch their parent)."""
     import signal

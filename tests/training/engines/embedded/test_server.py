@@ -102,6 +102,7 @@ def _run_module(*args):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_the_module_refuses_bad_options_in_one_line_without_a_traceback():
     res = _run_module("--checkpoint", "X", "--dtype", "fp16")
     assert res.returncode == 2  # argparse: not among the choices

@@ -178,6 +178,7 @@ def test_precision_is_validated():
     assert MegatronSettings().precision == "fp32"
 
 
+@pytest.mark.slow
 def test_bf16_pipeline_parallel_on_two_ray_ranks(mg):
     """PP=2 (tied embeddings): the stages pass bf16 hidden states and their gradients."""
     import os

@@ -29,6 +29,7 @@ def _parity_step(mg, emb, meg, batch, **kw):
     return me, mm
 
 
+@pytest.mark.slow
 def test_world_size_1_on_a_rank_actor(ray_session, mg, tmp_path):
     d = mg.hf_dir(4)
     emb = EmbeddedTrainEngine.from_pretrained(d, optim=mg.OPTIM)
@@ -47,6 +48,7 @@ def test_world_size_1_on_a_rank_actor(ray_session, mg, tmp_path):
     meg.close()
 
 
+@pytest.mark.slow
 def test_world_size_2_tensor_parallel_on_cpu(ray_session, mg, tmp_path):
     """TP=2 over two gloo ranks, odd vocabulary (padded to 102): same log-probs and step as the
     embedded engine; the merged HF weights follow; checkpoints round-trip exactly."""
@@ -73,6 +75,7 @@ def test_world_size_2_tensor_parallel_on_cpu(ray_session, mg, tmp_path):
     again.close()
 
 
+@pytest.mark.slow
 def test_world_size_2_data_parallel_on_cpu(ray_session, mg):
     """DP=2 with the DistributedOptimizer: micro-batches alternate between the two ranks and
     their gradients are summed, so one step equals the embedded engine's on the whole batch."""
@@ -93,6 +96,7 @@ def test_world_size_2_data_parallel_on_cpu(ray_session, mg):
     meg.close()
 
 
+@pytest.mark.slow
 def test_world_size_2_expert_parallel_on_cpu(ray_session, mg, tmp_path):
     """EP=2 over DP=2 (4 experts, 2 per rank): the MoE token all-gather pairs the ranks' forwards,
     so micro-batches run in padded rounds (3 micro-batches: the second round's dummy on rank 1).
@@ -124,10 +128,9 @@ def test_world_size_2_expert_parallel_on_cpu(ray_session, mg, tmp_path):
     again.close()
 
 
-# dense-tied is slow-marked: test_precision's bf16 PP=2 run covers tied embeddings across stages
+@pytest.mark.slow
 @pytest.mark.parametrize(("experts", "tie"), [
-    pytest.param(0, True, id="dense-tied", marks=pytest.mark.slow),
-    pytest.param(4, False, id="moe")])
+    pytest.param(0, True, id="dense-tied"), pytest.param(4, False, id="moe")])
 def test_world_size_2_pipeline_parallel_on_cpu(ray_session, mg, tmp_path, experts, tie):
     """PP=2 (one layer per stage): stage 0 holds the embedding, stage 1 the final norm and the
     output layer (with tied embeddings its own copy, kept equal through summed gradients).
@@ -177,6 +180,7 @@ def test_world_size_2_pipeline_parallel_on_cpu(ray_session, mg, tmp_path, expert
     again.close()
 
 
+@pytest.mark.slow
 def test_asyncrl_train_runs_with_the_megatron_backend(ray_session, tmp_path):
     from training.recipe import recipe_from_dict
     from training.runtime.run import run_recipe

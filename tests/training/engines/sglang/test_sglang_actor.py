@@ -72,6 +72,7 @@ def _version(url: str) -> int:
     return int(httpx.get(url + "/model_info", timeout=5).json()["weight_version"])
 
 
+@pytest.mark.slow
 def test_killed_server_restarts_on_its_port_with_current_weights_then_gives_up(
         ray_session, ckpts, tmp_path):
     ray = ray_session
@@ -111,6 +112,7 @@ def test_killed_server_restarts_on_its_port_with_current_weights_then_gives_up(
         ray.kill(actor)
 
 
+@pytest.mark.slow
 def test_a_killed_actor_takes_its_server_with_it(ray_session, ckpts, tmp_path):
     ray = ray_session
     v0, _ = ckpts
@@ -187,6 +189,7 @@ def test_client_speaks_the_sglang_contract_to_an_actor_launched_server(ckpts, tm
     assert _gone(pid, 5) and actor.state == "stopped" and not actor.alive()
 
 
+@pytest.mark.slow
 def test_fleet_places_starts_pushes_and_stops_its_engines(ray_session, ckpts, tmp_path):
     """The runtime's view: a placement group, one actor per engine, URLs, weights, stop."""
     from training.engines.sglang.fleet import SGLangFleet

@@ -46,6 +46,7 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_run_on_the_sglang_path_survives_an_engine_restart(ray_session, sglang_stand_in,
                                                              tmp_path):
     recipe = recipe_from_dict({
@@ -93,6 +94,7 @@ def _router_log(fleet_log_dir) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
+@pytest.mark.slow
 def test_a_run_behind_the_real_sglang_router_syncs_each_engine_directly(
         ray_session, sglang_stand_in, tmp_path):
     """``router: sglang-router`` (the real one, pip install sglang-router) over two stand-in
@@ -149,6 +151,7 @@ def test_a_run_behind_the_real_sglang_router_syncs_each_engine_directly(
     assert rt.backend.fleet is None
 
 
+@pytest.mark.slow
 def test_nccl_weight_sync_on_the_sglang_path_with_gloo(ray_session, sglang_stand_in, tmp_path):
     """``weight_sync: nccl`` end to end on CPU (gloo): Megatron trainer, stand-in engines that
     join the weight group themselves; the trainer actor broadcasts every sync (no export on
