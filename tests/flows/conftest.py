@@ -7,8 +7,10 @@ Ray down if a run started it and restores ``ASYNCRL_HOME`` and ``MLFLOW_TRACKING
 then call ``flows.campaign.campaign_flow`` inside it, as ``asyncrl campaign launch`` does.
 
 Prefect's test harness (a temporary API server and database, 10-17 s to start on 2 cores) is one
-for the package (``prefect_harness``), started by the first campaign fixture and shared by the
-rest: every campaign has its own id, so their flow runs do not mix.
+for this directory's tests: the first campaign opens it and the rest share it (every campaign has
+its own id, so their flow runs do not mix); it is closed after the last test of this directory,
+so no server or Prefect setting of it outlives tests/flows. (Not a ``scope="package"`` fixture:
+without an ``__init__.py`` pytest gives that the session's lifetime.)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _SAVED = ("ASYNCRL_HOME", "MLFLOW_TRACKING_URI")
 @contextlib.contextmanager
 def _run_campaign(tmp_path_factory: pytest.TempPathFactory, name: str,
                   campaign: Mapping[str, Any]) -> Iterator[tuple[Path, Path]]:
+    _open_harness()
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k) for k in _SAVED}
     os.environ["ASYNCRL_HOME"] = str(home)
@@ -48,17 +51,30 @@ def _run_campaign(tmp_path_factory: pytest.TempPathFactory, name: str,
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="package")
-def prefect_harness() -> Iterator[None]:
-    """One Prefect test harness for the package's campaign fixtures, stopped after its last test."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+_HARNESS = contextlib.ExitStack()
+_HARNESS_OPEN = [False]
+_HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="package")
-def run_campaign(prefect_harness):
-    """The context manager above (package scope, so module-scoped campaign fixtures can use it),
-    inside the package's Prefect harness."""
+def _open_harness() -> None:
+    if not _HARNESS_OPEN[0]:
+        from prefect.testing.utilities import prefect_test_harness
+
+        _HARNESS.enter_context(prefect_test_harness(server_startup_timeout=120))
+        _HARNESS_OPEN[0] = True
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures of the finished test are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Close the harness once the next test (if any) is outside this directory."""
+    if _HARNESS_OPEN[0] and (nextitem is None
+                             or _HERE not in Path(nextitem.path).resolve().parents):
+        _HARNESS.close()
+        _HARNESS_OPEN[0] = False
+
+
+@pytest.fixture(scope="session")
+def run_campaign():
+    """The context manager above (a session fixture, so module-scoped campaign fixtures can use
+    it); it opens the directory's Prefect harness on first use."""
     return _run_campaign

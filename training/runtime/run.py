@@ -250,6 +250,7 @@ class Runtime:
         self.weights: ParameterSync | None = None  # made with the actors
         self._started_ray = False
         self._actors: list[Any] = []
+        self.rollouter: Any = None  # its actor, once created (the trainer's starts first)
         # run state (persisted in runtime.json)
         self.step = 0
         self.step_start_versions: list[int] = []
@@ -404,6 +405,7 @@ class Runtime:
         r = self.recipe
         drain = r.drain
         self.buffer = ray.remote(num_cpus=0)(SampleBuffer).remote(drain, r.data.window)
+        self._actors.append(self.buffer)  # stopped with the rest if a restore below fails
         start = None
         if resume_state is not None:
             start = resume_state.rollouter
@@ -589,7 +591,7 @@ class Runtime:
             import ray
             if ray.is_initialized():
                 with contextlib.suppress(Exception):
-                    if self._actors:
+                    if self.rollouter is not None:
                         ray.get(self.rollouter.stop.remote(), timeout=10)
                 for a in self._actors:
                     with contextlib.suppress(Exception):
