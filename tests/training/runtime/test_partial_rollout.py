@@ -220,3 +220,69 @@ def test_a_piece_whose_logprobs_do_not_cover_its_tokens_is_refused():
     with pytest.raises(RolloutEngineError, match="2 tokens with 1 log-probs and 2 weight"):
         response.add(short, moe=False)
     assert response.output_ids == [] and response.logprobs == [] and response.versions == []
+
+
+@pytest.mark.slow
+def test_tool_trajectories_cut_by_syncs(module_home, tmp_path):
+    """calc_chain trajectories under partial rollout, with three syncs made while the server is
+    decoding (the end-to-end run in test_runtime.py cannot place its syncs): samples caught by a
+    sync span versions, each is counted as cut inside a turn or between turns (or both), and
+    π_old of every loss token is the trainer's log-prob under the version that produced it."""
+    ckpt = warm_start(WarmStartConfig(task="calc_chain", steps=60, hidden_size=32,
+                                      num_layers=2)).path
+    recipe = recipe_from_dict({
+        "steps": 4,
+        "model": {"kind": "checkpoint", "path": str(ckpt)},
+        "task": {"name": "calc_chain"},
+        "rollout": {"n": 2, "batch_prompts": 4, "temperature": 3.0, "max_response_tokens": 200,
+                    "max_turns": 6},
+        "async": {"mode": "fully_async", "staleness_threshold": 1.0, "partial_rollout": True},
+        "data": {"drain": "fifo", "dispatch": "fifo", "max_in_flight": 4},
+        "algorithm": {"old_logprob": "snapshot", "correction": {"kind": "compis"}},
+    })
+    engine = EmbeddedTrainEngine.from_pretrained(ckpt, optim=OptimConfig(lr=5e-2))
+    v0 = engine.weight_version
+    with EmbeddedServer(ckpt, dtype="fp32", threads=1) as server:
+
+        async def scenario():
+            buffer = SampleBuffer("fifo", 64)
+            rollouter = Rollouter(recipe, [server.url], buffer, None, version=v0)
+            await rollouter.start()
+            try:
+                for i in range(1, 4):
+                    _nudge(engine)
+                    await _until_decoding(server.url)
+                    path = tmp_path / f"v{engine.weight_version}"
+                    engine.export_weights(path)
+                    await rollouter.sync_weights(str(path), engine.weight_version, i, 0)
+                groups = await buffer.take(8, timeout=60)
+                assert groups is not None
+                return groups, await rollouter.stats()
+            finally:
+                await rollouter.stop()
+
+        groups, stats = asyncio.run(scenario())
+    samples = [s for g in groups for s in g.samples]
+    partial = [s for s in samples if s.spans_sync]
+    assert partial, "no sample was caught by a sync mid-generation"
+    assert stats["async/rollouter/partial_samples"] >= len(partial)
+    for s in samples:
+        assert s.token_versions == sorted(s.token_versions)
+        assert len(s.turn_ids) == s.response_len
+    spanning = [g for g in groups if g.partial]
+    result = Learner(engine, recipe, keep_tensors=True).step(spanning, step=3)
+    assert result.trained
+    m = result.metrics
+    n_partial = sum(s.spans_sync for g in spanning for s in g.samples)
+    assert m["async/partial_samples"] == n_partial > 0
+    cuts = m["tool/partial_within_turn"] + m["tool/partial_between_turns"]
+    assert n_partial <= cuts <= 2 * n_partial
+    dbg = result.debug
+    mask = dbg["response_mask"].bool()
+    versions = dbg["token_versions"]
+    batch = TokenBatch.from_sequences([s.prompt_ids for g in spanning for s in g.samples],
+                                      [s.response_ids for g in spanning for s in g.samples])
+    for v in sorted(set(versions[mask].tolist())):
+        hit = mask & (versions == v)
+        want = engine.compute_log_probs(batch, version=int(v), temperature=3.0).log_probs
+        torch.testing.assert_close(dbg["old_log_prob"][hit], want[hit])

@@ -153,11 +153,13 @@ def test_fully_async_tool_trajectories_end_to_end(ray_session, tmp_path):
         assert "tool/post_tool/mismatch/engine/logprob_abs_diff/mean" in r
         assert r["tool/pre_tool/tokens"] + r["tool/post_tool/tokens"] < r["async/batch_tokens"]
     assert rows[-1]["async/rollouter/tool_calls"] > 0
-    # partial rollout cut trajectories; each cut one inside a turn, between turns, or both
+    # a trajectory partial rollout cut is cut inside a turn, between turns, or both. Whether a
+    # sync finds samples mid-generation here depends on the machine (on CI's, once, none did
+    # in 6 steps); test_partial_rollout.py's test_tool_trajectories_cut_by_syncs places its
+    # syncs while the server decodes and requires cuts
     for r in rows:
         cuts = r["tool/partial_within_turn"] + r["tool/partial_between_turns"]
         assert r["async/partial_samples"] <= cuts <= 2 * r["async/partial_samples"]
-    assert sum(r["async/partial_samples"] for r in rows) > 0
 
 
 def test_split_stale_drops_exactly_the_too_old_samples():
