@@ -122,9 +122,13 @@ def test_fully_async_partial_rollout_within_limits(ray_session, tmp_path):
     assert len(rows) == 8
     assert all(r["async/staleness/max"] <= 1 for r in rows)  # older samples were dropped
     check_counts(rows)
-    # partial rollouts: some samples' tokens came from two weight versions
-    assert sum(r["async/partial_ratio"] for r in rows) > 0
-    assert max(r["async/max_partial_span"] for r in rows) >= 1
+    # a sample that spans syncs spans at most max_off_policy_steps = 1 step of versions (older
+    # ones were dropped). Whether any sync finds samples mid-generation depends on the machine's
+    # speeds (3 runs here: 2-5 of 8 steps had some); test_partial_rollout.py places its syncs
+    # while the server decodes and requires them
+    for r in rows:
+        assert (r["async/max_partial_span"] >= 1) == (r["async/partial_ratio"] > 0)
+        assert r["async/max_partial_span"] <= 1
     assert rows[-1]["async/rollouter/syncs"] == 8
     # windowed FIFO: no group was trained on more than the window ahead of submission order
     assert rows[-1]["async/drain_max_lead"] < 6
