@@ -337,7 +337,7 @@ def run_stages(launch: Launch, *, tracking_uri: str | None = None,
     passing candidate stops the campaign. An exception marks the campaign failed (stopped on
     Ctrl-C), with the resume command, and ends its MLflow run before it propagates."""
     fl = _Flow.start(launch, tracking_uri=tracking_uri, events=events)
-    ladder = _Ladder(dict(launch.base), CampaignOutcome(launch.campaign_id, "running", "",
+    ladder = _Ladder(launch.base, CampaignOutcome(launch.campaign_id, "running", "",
                                                         mlflow_run_id=fl.parent.id))
     try:
         for index, stage in enumerate(launch.campaign.stages):
@@ -383,11 +383,11 @@ class _Ladder:
     by stage (relative gates and ``rerun_reference`` read them), the plot data and the outcome
     so far."""
 
-    current: dict[str, Any]
+    current: Recipe
     outcome: CampaignOutcome
     start: StartingPoint | None = None
     references: dict[str, dict[str, float]] = field(default_factory=dict)
-    promoted_recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    promoted_recipes: dict[str, Recipe] = field(default_factory=dict)
     plot_stages: list[dict[str, Any]] = field(default_factory=list)
 
     def promoted(self, stage: str, recipe: Recipe, reference: dict[str, float],
@@ -395,8 +395,8 @@ class _Ladder:
         """Stage ``stage`` promoted ``recipe`` (``promotion``): the next stage starts from its
         checkpoint, and compares against ``reference`` (the promoted run's summary)."""
         self.references[stage] = reference
-        self.current = recipe.to_dict()
-        self.promoted_recipes[stage] = self.current
+        self.current = recipe
+        self.promoted_recipes[stage] = recipe
         self.start = StartingPoint(promotion.checkpoint, recipe)
         self.outcome.promoted[stage] = promotion
 

@@ -26,6 +26,7 @@ from registry.campaign import Campaign, load_campaign
 if TYPE_CHECKING:
     from registry.db import RegistryDB
     from registry.ownership import CampaignLease
+    from training.recipe import Recipe
 
 __all__ = ["Launch", "launch_campaign", "launched", "record_campaign"]
 
@@ -37,7 +38,7 @@ class Launch:
     None: the default) and the lease held on it."""
 
     campaign: Campaign
-    base: dict[str, Any]
+    base: Recipe
     path: Path
     campaign_id: str
     registry_url: str | None
@@ -51,7 +52,7 @@ _OPEN: dict[tuple[str | None, str], Launch] = {}
 
 
 @contextlib.contextmanager
-def launch_campaign(campaign: Campaign, base: dict[str, Any], campaign_path: str | Path,
+def launch_campaign(campaign: Campaign, base: Recipe, campaign_path: str | Path,
                     campaign_id: str, *, registry_url: str | None = None
                     ) -> Iterator[Launch]:
     """Record the loaded ``campaign`` under ``campaign_id`` and hold its lease inside the
@@ -94,16 +95,14 @@ def launched(campaign_path: str | Path, campaign_id: str, *, registry_url: str |
         yield new
 
 
-def record_campaign(db: Any, campaign: Campaign, base: dict[str, Any], campaign_path: Path,
+def record_campaign(db: Any, campaign: Campaign, base: Recipe, campaign_path: Path,
                     campaign_id: str) -> None:
     """Record the campaign under ``campaign_id`` in the registry (idempotent; a different
     campaign file under an existing id is a ``RegistryError``)."""
-    from training.recipe import recipe_from_dict
-
     # identity of a campaign id: the file's content and the base recipe's hash (not its full
     # data: defaults a newer asyncrl adds, or an unused backend's settings, must not make a
     # resume after an upgrade look like a different campaign)
     db.create_campaign(campaign_id, campaign.name, {
         "campaign": campaign.model_dump(mode="json", exclude_defaults=True),
-        "base_recipe_hash": recipe_from_dict(base, "base").hash(),
+        "base_recipe_hash": base.hash(),
         "path": str(Path(campaign_path).resolve())})

@@ -319,24 +319,25 @@ class Campaign(_Strict):
                 return st
         raise KeyError(f"no stage {name!r}; stages: {', '.join(s.name for s in self.stages)}")
 
-    def candidate_recipe(self, base: Mapping[str, Any], stage: Stage, candidate: Candidate,
+    def candidate_recipe(self, base: Recipe, stage: Stage, candidate: Candidate,
                          *, start: StartingPoint | None = None) -> Recipe:
-        """The recipe a candidate runs: ``base`` (the previous stage's promoted recipe as
-        data) + the stage's overrides + the candidate's; ``start`` (the previous stage's
+        """The recipe a candidate runs: ``base`` (the previous stage's promoted recipe) + the
+        stage's overrides + the candidate's, merged over ``base.to_dict()`` as
+        :func:`~training.recipe.apply_overrides` merges; ``start`` (the previous stage's
         promoted checkpoint) replaces the model; the stage's ``steps`` wins, or its
         ``samples`` set the steps from this recipe's samples per step. The name is
         ``<campaign>/<stage>/<candidate>``."""
         where = f"stage {stage.name!r} candidate {candidate.name!r}"
         try:
-            data = apply_overrides(base, stage.overrides)
+            data = apply_overrides(base.to_dict(), stage.overrides)
             data = apply_overrides(data, candidate.overrides)
         except RecipeError as e:
             raise _located(e, where) from None
         return self._sized(data, stage, candidate.name, where, start)
 
-    def reference_recipe(self, promoted: Mapping[str, Any], stage: Stage, reference: str, *,
+    def reference_recipe(self, promoted: Recipe, stage: Stage, reference: str, *,
                          start: StartingPoint | None = None) -> Recipe:
-        """The re-run of ``reference``'s promoted recipe (``promoted``, as data) inside
+        """The re-run of ``reference``'s promoted recipe (``promoted``) inside
         ``stage`` (``rerun_reference``): ``promoted`` + the stage's overrides except its
         ``async`` section, so the reference runs the stage's task (response length, group size,
         difficulty, ...) in its own async mode; the model is ``start`` (this stage's starting
@@ -345,7 +346,7 @@ class Campaign(_Strict):
         name = reference_name(reference)
         where = f"stage {stage.name!r} {name} (rerun_reference)"
         try:
-            data = apply_overrides(promoted, _without_async(stage.overrides))
+            data = apply_overrides(promoted.to_dict(), _without_async(stage.overrides))
         except RecipeError as e:
             raise _located(e, where) from None
         return self._sized(data, stage, name, where, start)
@@ -377,8 +378,8 @@ class Campaign(_Strict):
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def resolve_base(campaign: Campaign, source_dir: Path) -> dict[str, Any]:
-    """The base recipe as validated plain data (a path is read relative to the campaign)."""
+def resolve_base(campaign: Campaign, source_dir: Path) -> Recipe:
+    """The base recipe, validated (a path is read relative to the campaign)."""
     if isinstance(campaign.base, str):
         path = Path(campaign.base)
         if not path.is_absolute():
@@ -386,11 +387,11 @@ def resolve_base(campaign: Campaign, source_dir: Path) -> dict[str, Any]:
         from training.recipe import load_recipe
 
         try:
-            return load_recipe(path).to_dict()
+            return load_recipe(path)
         except RecipeError as e:
             raise CampaignError(f"base: {e}") from None
     try:
-        return recipe_from_dict(campaign.base, "base").to_dict()
+        return recipe_from_dict(campaign.base, "base")
     except RecipeError as e:
         raise CampaignError(str(e)) from None
 
@@ -432,12 +433,12 @@ class StageRecipes:
     references: dict[str, Recipe]
 
 
-def stage_recipes(campaign: Campaign, stage: Stage, current: Mapping[str, Any],
-                  promoted: Mapping[str, Mapping[str, Any]], *,
+def stage_recipes(campaign: Campaign, stage: Stage, current: Recipe,
+                  promoted: Mapping[str, Recipe], *,
                   start: StartingPoint | None = None) -> StageRecipes:
     """Build and check everything ``stage`` will train, before any of it trains: each
-    candidate's recipe from ``current`` (the previous stage's promoted recipe as data), the
-    reference re-runs from ``promoted`` (promoted recipe data by stage name), and that every
+    candidate's recipe from ``current`` (the previous stage's promoted recipe), the
+    reference re-runs from ``promoted`` (the promoted recipes by stage name), and that every
     gate can be judged on each candidate's recipe. A problem is one :class:`CampaignError`
     naming the stage, the candidate, the gate and the fix."""
     cands = [(c, campaign.candidate_recipe(current, stage, c, start=start))
@@ -466,22 +467,22 @@ def _check_gates(stage: Stage, candidate: str, recipe: Recipe) -> None:
                                 f"{candidate!r}: {why}")
 
 
-def validate_ladder(campaign: Campaign, base: Mapping[str, Any]) -> None:
+def validate_ladder(campaign: Campaign, base: Recipe) -> None:
     """Build and check what every stage runs (:func:`stage_recipes`) along the first-candidate
     chain (what runs if every stage promotes its first candidate), so a bad override, a gate a
     candidate cannot feed or a reference that cannot be re-run fails at load time. The flow
     checks each stage again on the chain actually promoted, before the stage trains."""
-    current = dict(base)
-    promoted: dict[str, dict[str, Any]] = {}
+    current = base
+    promoted: dict[str, Recipe] = {}
     for st in campaign.stages:
         built = stage_recipes(campaign, st, current, promoted)
-        current = built.candidates[0][1].to_dict()
+        current = built.candidates[0][1]
         promoted[st.name] = current
 
 
 def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | None = None
-                       ) -> tuple[Campaign, dict[str, Any]]:
-    """Validate → (campaign, base recipe data); every problem is a one-line CampaignError."""
+                       ) -> tuple[Campaign, Recipe]:
+    """Validate → (campaign, base recipe); every problem is a one-line CampaignError."""
     data = require_mapping(data, f"{source}: a campaign is a mapping with name, base and stages",
                            CampaignError)
     try:
@@ -497,8 +498,8 @@ def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | N
     return campaign, base
 
 
-def load_campaign(path: str | Path) -> tuple[Campaign, dict[str, Any]]:
-    """Read and validate a campaign YAML → (campaign, base recipe data)."""
+def load_campaign(path: str | Path) -> tuple[Campaign, Recipe]:
+    """Read and validate a campaign YAML → (campaign, base recipe)."""
     p = Path(path)
     data = read_yaml(p, "campaign", "pass a campaign YAML (see campaigns/)", CampaignError)
     return campaign_from_dict(data, str(p), p.parent)

@@ -64,7 +64,7 @@ def _load(path: Path) -> tuple[Campaign, dict[str, Any]]:
         fail(str(e))
 
 
-def _run_flow(campaign: Campaign, base: dict[str, Any], path: Path, campaign_id: str,
+def _run_flow(campaign: Campaign, base: Recipe, path: Path, campaign_id: str,
               as_json: bool) -> None:
     """Launch the loaded campaign — record it and take its ownership, so that a second
     launch/resume of it is refused in one line naming the owner, before Prefect starts — and

@@ -101,7 +101,7 @@ def test_the_next_stage_keeps_the_promoted_steps():
                             {"name": "b", "overrides": {"rollout": {"batch_prompts": 2}}}])
     a = stage_recipes(campaign, campaign.stages[0], base, {})
     assert a.candidates[0][1].steps == 3  # ceil(40 / 16)
-    b = stage_recipes(campaign, campaign.stages[1], a.candidates[0][1].to_dict(), {})
+    b = stage_recipes(campaign, campaign.stages[1], a.candidates[0][1], {})
     assert b.candidates[0][1].steps == 3
 
 
@@ -115,7 +115,7 @@ def test_rerun_reference_rebuilds_the_promoted_recipe_at_this_stages_start_and_l
          "overrides": {"async": {"mode": "one_step"}, "rollout": {"batch_prompts": 2}},
          "gates": [REF_GATE, {"name": "reward_not_collapsed"}]}])
     a = stage_recipes(campaign, campaign.stages[0], base, {})
-    promoted = a.candidates[0][1].to_dict()
+    promoted = a.candidates[0][1]
     start = StartingPoint("/ckpt/a/final/hf", a.candidates[0][1])
     b = stage_recipes(campaign, campaign.stages[1], promoted, {"a": promoted}, start=start)
     ref = b.references["a"]
@@ -145,8 +145,7 @@ def test_rerun_reference_runs_the_stages_task_in_its_own_async_mode():
             {"name": "b", "rerun_reference": True, "samples": 64,
              "overrides": {**task, **stage_async}, "gates": [REF_GATE]}])
         promoted = stage_recipes(campaign, campaign.stages[0], base, {}).candidates[0][1]
-        b = stage_recipes(campaign, campaign.stages[1], promoted.to_dict(),
-                          {"a": promoted.to_dict()})
+        b = stage_recipes(campaign, campaign.stages[1], promoted, {"a": promoted})
         ref, cand = b.references["a"], b.candidates[0][1]
         for r in (ref, cand):
             assert (r.rollout.max_response_tokens, r.rollout.n) == (24, 8)
@@ -199,7 +198,7 @@ def test_a_stages_recipes_have_the_same_identity_on_every_home_directory():
     hashes = set()
     for home in ("/home/alice/.asyncrl/campaigns/c-1", "/scratch/bob/asyncrl/campaigns/c-7"):
         start = StartingPoint(f"{home}/a/default/final/hf", promoted)
-        recipe = stage_recipes(campaign, campaign.stages[1], promoted.to_dict(), {},
+        recipe = stage_recipes(campaign, campaign.stages[1], promoted, {},
                                start=start).candidates[0][1]
         assert recipe.model.path == f"{home}/a/default/final/hf"  # the run reads this one
         hashes.add(recipe.hash())
@@ -207,5 +206,49 @@ def test_a_stages_recipes_have_the_same_identity_on_every_home_directory():
     # a different promoted recipe is a different start, whatever the path
     other = StartingPoint("/home/alice/.asyncrl/campaigns/c-1/a/default/final/hf",
                           recipe_from_dict({**promoted.to_dict(), "seed": 1}))
-    assert stage_recipes(campaign, campaign.stages[1], promoted.to_dict(), {},
+    assert stage_recipes(campaign, campaign.stages[1], promoted, {},
                          start=other).candidates[0][1].hash() not in hashes
+
+
+# every candidate's and re-run reference's recipe hash of the shipped campaigns, along the chain
+# where each stage promotes its last candidate: building stages from Recipe objects (not their
+# dicts) and any later refactor must leave them as they were recorded (identity, resume)
+SHIPPED_HASHES = {
+    "quick.yaml": [
+        ("baseline", {"default": "2f9a66a25541c6b0"}, {}),
+        ("one-step", {"default": "f9e8a2df2af5fc71"}, {}),
+        ("fully-async", {"default": "bd35409177a3d19e"}, {}),
+        ("context", {"default": "7c5be2f826108c05"}, {}),
+    ],
+    "seed-ladder.yaml": [
+        ("baseline", {"default": "b1c23c16fa2711ab"}, {}),
+        ("one-step", {"no-correction": "4f9d03b97b4426a2", "r3": "54c9b2bb14caaa5c",
+                      "r3-m2po": "686722d11609619b", "r3-dppo": "47e337d78d25a561",
+                      "r3-compis": "ca8f9ad338b856b1", "r3-compis-icepop": "85e07e009d7e8f88"},
+         {"baseline": "b1c23c16fa2711ab"}),
+        ("fully-async", {"naive-fifo": "4b7e884e189259b3",
+                         "wfifo-length-aware": "cddbf64849e34fc0"},
+         {"baseline": "c82c4f1f494f67f2"}),
+        ("context", {"grpo": "a97f643a38ef1cd6", "dr-grpo": "382de552b8490a2b",
+                     "dr-grpo-icepop-fix3": "c1ac3c00d3ad907c"}, {"baseline": "5246b4d14ecec430"}),
+    ],
+    "tools.yaml": [
+        ("baseline", {"default": "c5202e0c9090b671"}, {}),
+        ("fully-async", {"default": "920b4dfc7ba4cce2"}, {}),
+        ("turn-level", {"trajectory": "920b4dfc7ba4cce2", "turn-baseline": "19a5733fb724181c",
+                        "turn-is": "524365aaf5082f2b"}, {}),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_HASHES))
+def test_the_shipped_campaigns_recipe_hashes_do_not_move(name):
+    campaign, current = load_campaign(Path(__file__).parents[2] / "campaigns" / name)
+    promoted = {}
+    got = []
+    for st in campaign.stages:
+        built = stage_recipes(campaign, st, current, promoted)
+        got.append((st.name, {c.name: r.hash() for c, r in built.candidates},
+                    {k: r.hash() for k, r in built.references.items()}))
+        current = promoted[st.name] = built.candidates[-1][1]
+    assert got == SHIPPED_HASHES[name]

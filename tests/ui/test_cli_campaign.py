@@ -178,7 +178,7 @@ def test_shipped_campaigns_validate():
     assert any(f.name == "quick.yaml" for f in files)
     for f in files:
         campaign, base = load_campaign(f)
-        assert campaign.stages and base
+        assert campaign.stages and base.hash()
 
 
 def test_schema_campaign():
