@@ -366,7 +366,7 @@ def flow_result(outcome: CampaignOutcome) -> Any:
 
 def run_campaign(campaign_path: Path, campaign_id: str, *, registry_url: str | None = None,
                  tracking_uri: str | None = None, events: EventFn | None = None,
-                 loaded: tuple[Campaign, dict[str, Any]] | None = None) -> CampaignOutcome:
+                 loaded: tuple[Campaign, Recipe] | None = None) -> CampaignOutcome:
     """:func:`campaign_flow`'s work without a flow run of its own (call it inside one: the
     deployment's flow does): the campaign launched once — the launch open in this process, else
     one of ``loaded`` (what :func:`~registry.campaign.load_campaign` returned) or of the file —

@@ -78,7 +78,7 @@ def launch_campaign(campaign: Campaign, base: Recipe, campaign_path: str | Path,
 
 @contextlib.contextmanager
 def launched(campaign_path: str | Path, campaign_id: str, *, registry_url: str | None = None,
-             loaded: tuple[Campaign, dict[str, Any]] | None = None) -> Iterator[Launch]:
+             loaded: tuple[Campaign, Recipe] | None = None) -> Iterator[Launch]:
     """The launch of ``campaign_id`` open in this process (the CLI's), else a new one of the
     campaign in ``campaign_path`` — ``loaded`` when the caller has loaded it already — for the
     ``with`` block."""

@@ -18,12 +18,13 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from training.runtime.pipeline import GroupBuffer
 from training.runtime.types import Group
 
 if TYPE_CHECKING:  # the buffer actor's process never needs torch
+    from training.engines.sglang.nccl_sync import PushReport, WeightGroup
     from training.recipe import Recipe
     from training.runtime.learner import StepResult
 
@@ -184,30 +185,28 @@ class TrainerWorker:
     # --- engines.sglang.weight_sync: nccl ----------------------------------------------------
     def init_weight_sync_nccl(self, urls: list[str], tp_size: int, group_name: str,
                               master_address: str | None = None,
-                              backend: str = "nccl") -> dict[str, Any]:
+                              backend: str = "nccl") -> WeightGroup:
         """(Re)make the broadcast weight group with the SGLang engines at ``urls``. The Megatron
         engine does it on its rank 0 (its own GPU, where the gathered weights are); an engine
         without ``init_weight_sync`` (the embedded one; gloo tests) does it in this actor."""
         if hasattr(self.engine, "init_weight_sync"):
-            return dict(self.engine.init_weight_sync(list(urls), tp_size, group_name,
-                                                     master_address, backend=backend))
+            return self.engine.init_weight_sync(list(urls), tp_size, group_name,
+                                                master_address, backend=backend)
         from training.engines.sglang.nccl_sync import TrainerNcclPusher
 
         if getattr(self, "_nccl", None) is None:
             self._nccl = TrainerNcclPusher()
         return self._nccl.init(urls, tp_size, group_name, master_address, backend=backend)
 
-    def push_weights_nccl(self, version: int) -> dict[str, Any]:
-        """Broadcast the current weights as ``version``; the PushReport as a dict."""
+    def push_weights_nccl(self, version: int) -> PushReport:
+        """Broadcast the current weights as ``version``."""
         if hasattr(self.engine, "push_weights"):
-            return dict(self.engine.push_weights(int(version)))
-        import dataclasses
-
+            return self.engine.push_weights(int(version))
         from training.engines.sglang.nccl_sync import NcclSyncError
 
         if getattr(self, "_nccl", None) is None:
             raise NcclSyncError("no weight group: call init_weight_sync_nccl first")
-        return dataclasses.asdict(self._nccl.push(self.engine, version))
+        return self._nccl.push(self.engine, version)
 
     def ping(self) -> bool:
         return True

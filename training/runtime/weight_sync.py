@@ -27,10 +27,13 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.recipe import Recipe
 from training.runtime.backends import RolloutBackend, SGLangBackend
+
+if TYPE_CHECKING:
+    from training.engines.sglang.nccl_sync import PushReport
 
 __all__ = ["DirectSync", "DiskSync", "NcclSync", "ParameterSync", "SyncError", "SyncReport",
            "first_line", "parameter_sync"]
@@ -192,7 +195,7 @@ class NcclSync(ParameterSync):
         wait_s = float(ray.get(self.rollouter.begin_weight_sync.remote()))
         t0 = time.monotonic()
         try:
-            report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
+            report: PushReport = ray.get(self.trainer.push_weights_nccl.remote(version))
         except ray.exceptions.RayTaskError:
             # an engine may have died since the group was made, before its actor noticed: give
             # the fleet a moment to see it (a relaunch changes the launch count), remake the
@@ -206,15 +209,15 @@ class NcclSync(ParameterSync):
             self._group = None
             self._init_group(ray)
             try:
-                report = dict(ray.get(self.trainer.push_weights_nccl.remote(version)))
+                report: PushReport = ray.get(self.trainer.push_weights_nccl.remote(version))
             except ray.exceptions.RayTaskError as e:
                 raise SyncError(f"NCCL weight sync to version {version} failed: "
                                 f"{first_line(e)}") from None
         load_s = time.monotonic() - t0
         out = dict(ray.get(self.rollouter.end_weight_sync.remote(
             version, next_step, consumed, wait_s, load_s)))
-        out["async/weight_sync_bytes"] = float(report.get("bytes", 0) or 0)
-        out["async/weight_broadcast_s"] = float(report.get("broadcast_seconds", 0.0) or 0.0)
+        out["async/weight_sync_bytes"] = float(report.bytes)
+        out["async/weight_broadcast_s"] = float(report.broadcast_seconds)
         return SyncReport(out, load_s, wait_s)
 
     def checkpointed(self, ray: Any, hf_dir: Path, version: int) -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from training.engines.train import (
     StepConfig,
     TokenBatch,
 )
+
+if TYPE_CHECKING:
+    from training.engines.sglang.nccl_sync import PushReport, WeightGroup
 
 __all__ = [
     "DEFAULT_ROUTE_CACHE_SEQUENCES",
@@ -342,7 +345,7 @@ class MegatronTrainEngine:
     def init_weight_sync(self, urls: Sequence[str], tp_size: int | Sequence[int],
                          group_name: str, master_address: str | None = None,
                          master_port: int | None = None, backend: str = "nccl"
-                         ) -> dict[str, Any]:
+                         ) -> WeightGroup:
         """(Re)make the broadcast weight group (``engines.sglang.weight_sync: nccl``) with the
         SGLang engines at ``urls``: rank 0 joins it as the group's rank 0 from its own device
         (its GPU for nccl; cpu for gloo), hosting the rendezvous at ``master_address``
@@ -353,15 +356,15 @@ class MegatronTrainEngine:
                                 tp_size if isinstance(tp_size, int) else list(tp_size),
                                 group_name, master_address, master_port, backend)
         assert info is not None
-        return dict(info)
+        return info
 
-    def push_weights(self, version: int) -> dict[str, Any]:
+    def push_weights(self, version: int) -> PushReport:
         """Broadcast the current weights to the engines as ``version``: every rank takes part in
         the HF gather, rank 0 broadcasts. Returns the
-        :class:`~training.engines.sglang.nccl_sync.PushReport` as a dict."""
+        :class:`~training.engines.sglang.nccl_sync.PushReport`."""
         report = self._ranks.call("push_weights", int(version))
         assert report is not None
-        return dict(report)
+        return report
 
     def export_weights(self, directory: str | Path, *, version: int | None = None,
                        meta: dict[str, Any] | None = None) -> int:

@@ -62,9 +62,9 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,9 @@ from training.engines.train import (
     sequence_key,
 )
 from training.tasks.tokenizer import CharTokenizer
+
+if TYPE_CHECKING:
+    from training.engines.sglang.nccl_sync import PushReport, WeightGroup
 
 __all__ = ["MEGATRON_DIR", "TRAINER_STATE_FILE", "MegatronRank", "Parallelism"]
 
@@ -989,7 +992,7 @@ class MegatronRank(RetainedState, RouteReplay):
     def init_weight_sync(self, urls: Sequence[str], tp_size: int | Sequence[int],
                          group_name: str, master_address: str | None = None,
                          master_port: int | None = None,
-                         backend: str = "nccl") -> dict[str, Any] | None:
+                         backend: str = "nccl") -> WeightGroup | None:
         """Rank 0 (re)makes the weight group with the rollout engines as its rank 0, from its
         own device (its cuda device for nccl, cpu for gloo); the other ranks do nothing and
         return None. Not a collective."""
@@ -1007,9 +1010,9 @@ class MegatronRank(RetainedState, RouteReplay):
                                  else list(tp_size), group_name, master_address, master_port,
                                  backend=backend, device=device)
 
-    def push_weights(self, version: int) -> dict[str, Any] | None:
+    def push_weights(self, version: int) -> PushReport | None:
         """Every rank takes part in the HF gather; rank 0 broadcasts the full weights to the
-        engines as ``version`` and returns the :class:`PushReport` as a dict (None elsewhere).
+        engines as ``version`` and returns the :class:`PushReport` (None elsewhere).
         Collective."""
         from training.engines.sglang.nccl_sync import NcclSyncError
 
@@ -1021,7 +1024,7 @@ class MegatronRank(RetainedState, RouteReplay):
         if self.rank != 0:
             return None
         assert hf is not None and self._pusher is not None and self._pusher.sync is not None
-        return asdict(self._pusher.sync.push(hf, int(version)))
+        return self._pusher.sync.push(hf, int(version))
 
     # --- checkpoints --------------------------------------------------------------------------
     def _has_optimizer_state(self) -> bool:

@@ -148,6 +148,20 @@ def new_weight_group(master_address: str, master_port: int, rank: int, world_siz
 
 
 @dataclass(frozen=True)
+class WeightGroup:
+    """The broadcast group a trainer made with the engines: its name, the rendezvous address and
+    port (rank 0, the trainer), the ranks in it (1 + the engines' GPUs), the backend and how
+    many engines joined."""
+
+    group_name: str
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str
+    engines: int
+
+
+@dataclass(frozen=True)
 class PushReport:
     """What one sync did: tensors and bytes sent, buckets, seconds (total and broadcasting)."""
 
@@ -358,12 +372,12 @@ class TrainerNcclPusher:
 
     def init(self, urls: Sequence[str], tp_size: int | Sequence[int], group_name: str,
              master_address: str | None = None, master_port: int | None = None,
-             backend: str = "nccl", device: str | None = None) -> dict[str, Any]:
+             backend: str = "nccl", device: str | None = None) -> WeightGroup:
         """Close the previous group, then have every engine in ``urls`` join a new one named
         ``group_name`` with this process as rank 0, hosting the rendezvous at
         ``master_address:master_port`` (default: this node's address, a free port). ``device``:
         where tensors are broadcast from (default ``cuda`` for nccl, ``cpu`` for gloo).
-        Returns the group's description (plain data)."""
+        Returns the group's description."""
         import torch
 
         from training.engines.ports import free_port
@@ -386,8 +400,7 @@ class TrainerNcclPusher:
             sync.close()
             raise
         self.sync = sync
-        return {"group_name": group_name, "master_address": address, "master_port": port,
-                "world_size": sync.world_size, "backend": backend, "engines": len(sync.urls)}
+        return WeightGroup(group_name, address, port, sync.world_size, backend, len(sync.urls))
 
     def push(self, engine: Any, version: int) -> PushReport:
         """Broadcast ``engine``'s current weights (:func:`hf_weights_of`) as ``version``."""

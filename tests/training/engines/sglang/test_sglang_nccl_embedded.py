@@ -73,7 +73,7 @@ def test_pushed_weights_serve_like_the_same_weights_from_disk(servers):
         pusher.push(_Engine(1), 5)
     try:
         info = pusher.init([pushed], 1, "asyncrl-weights-1", "127.0.0.1", backend="gloo")
-        assert info["world_size"] == 2 and info["group_name"] == "asyncrl-weights-1"
+        assert (info.world_size, info.group_name) == (2, "asyncrl-weights-1")
         report = pusher.push(_Engine(1), 5)
         assert report.buckets > 1 and report.version == 5
         assert httpx.get(pushed + "/model_info").json()["weight_version"] == "5"
