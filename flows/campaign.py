@@ -54,6 +54,7 @@ from flows.events import (
 )
 from flows.launch import Launch, launched
 from flows.plot_queue import PlotQueue
+from flows.plots import PlotCandidate, PlotStage, campaign_plot
 from flows.results import (
     CampaignOutcome,
     CandidateOutcome,
@@ -388,7 +389,7 @@ class _Ladder:
     start: StartingPoint | None = None
     references: dict[str, dict[str, float]] = field(default_factory=dict)
     promoted_recipes: dict[str, Recipe] = field(default_factory=dict)
-    plot_stages: list[dict[str, Any]] = field(default_factory=list)
+    plot_stages: list[PlotStage] = field(default_factory=list)
 
     def promoted(self, stage: str, recipe: Recipe, reference: dict[str, float],
                  promotion: Promoted) -> None:
@@ -470,9 +471,8 @@ class _Flow:
         history = read_metrics(Path(run_row.run_dir) / "metrics.jsonl")
         ladder.promoted(stage.name, recipe, summarize(history), Promoted(
             done.candidate, done.recipe_hash, done.checkpoint, done.id, done.mlflow_version))
-        ladder.plot_stages.append({"stage": stage.name, "candidates": [
-            {"candidate": done.candidate, "history": history, "passed": True,
-             "promoted": True}]})
+        ladder.plot_stages.append(PlotStage(stage.name, [
+            PlotCandidate(done.candidate, history, passed=True, promoted=True)]))
         self.db.upsert_stage(self.campaign_id, stage.name, index, "finished")
         _emit(self.events, StageEvent(stage.name, "promoted", earlier=True))
         return True
@@ -515,10 +515,10 @@ class _Flow:
             if stage.promotion == "first_passing" and o.passed:
                 break
         winner, why = _choose(stage, outcomes)
-        ladder.plot_stages.append({"stage": stage.name, "candidates": [
-            {"candidate": s.candidate, "history": read_metrics(s.run.metrics_path),
-             "passed": s.report.passed, "promoted": s is winner}
-            for o in outcomes for s in o.all_seeds]})
+        ladder.plot_stages.append(PlotStage(stage.name, [
+            PlotCandidate(s.candidate, read_metrics(s.run.metrics_path),
+                          passed=s.report.passed, promoted=s is winner)
+            for o in outcomes for s in o.all_seeds]))
         reached(f"judged:{stage.name}")
         if winner is None:
             self.stop(index, stage, outcomes, ladder)
@@ -578,8 +578,6 @@ class _Flow:
     def finish(self, ladder: _Ladder) -> None:
         """Every stage promoted (or the campaign stopped): the verdict, the campaign plot and
         the parent run's status (a campaign stopped by its gates is FAILED in MLflow too)."""
-        from flows.plots import campaign_plot
-
         self.plots.drain()
         outcome = ladder.outcome
         if outcome.status == "running":

@@ -13,16 +13,37 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["campaign_plot", "run_plots"]
+__all__ = ["PlotCandidate", "PlotStage", "campaign_plot", "run_plots"]
 
 FIGSIZE = (6.0, 4.0)
 DPI = 100
 _LOG_SCALE_DECADES = 2.0  # a positive series spanning more than this many decades gets a log y
 
 Series = dict[int, float]
+
+
+@dataclass(frozen=True)
+class PlotCandidate:
+    """One run drawn in the campaign figure: its candidate name, metric rows (as
+    :func:`~training.runtime.sinks.read_metrics` returns them), and whether it passed its gates
+    and was promoted."""
+
+    candidate: str
+    history: Sequence[Mapping[str, Any]]
+    passed: bool
+    promoted: bool
+
+
+@dataclass(frozen=True)
+class PlotStage:
+    """A stage of the campaign figure: its name and the runs it judged, in order."""
+
+    stage: str
+    candidates: Sequence[PlotCandidate] = field(default_factory=tuple)
 
 
 def _by_key(history: Iterable[Mapping[str, Any]]) -> dict[str, Series]:
@@ -218,31 +239,30 @@ def run_plots(history: Iterable[Mapping[str, Any]], out_dir: str | Path) -> list
     return [p for fn in figures if (p := fn(metrics, out)) is not None]
 
 
-def campaign_plot(stages: Sequence[Mapping[str, Any]], out_path: str | Path) -> Path | None:
+def campaign_plot(stages: Sequence[PlotStage], out_path: str | Path) -> Path | None:
     """Rollout and eval reward of every candidate across the campaign's stages.
 
-    ``stages``: ``[{"stage": name, "candidates": [{"candidate": name, "history": rows,
-    "passed": bool, "promoted": bool}, ...]}, ...]`` in stage order. Each stage owns one unit of
+    ``stages``: the campaign's stages in order. Each stage owns one unit of
     the x axis and its candidates' curves are stretched over it (a candidate's steps from first
     to last), so runs of different lengths line up by stage. Promoted candidates are thick, passed
     ones thin, failed ones dashed; the final eval is marked at the end of each curve. Returns
     ``None`` (no file) when no candidate logged any reward.
     """
     panels = (("rollout/reward_mean", "rollout reward"), ("eval/reward_mean", "eval reward"))
-    curves: list[tuple[int, str, Mapping[str, Any], dict[str, Series]]] = []
+    curves: list[tuple[int, str, PlotCandidate, dict[str, Series]]] = []
     for i, stage in enumerate(stages):
-        for cand in stage.get("candidates", []):
-            m = _by_key(cand.get("history") or [])
+        for cand in stage.candidates:
+            m = _by_key(cand.history)
             if any(m.get(key) for key, _ in panels):
-                curves.append((i, str(stage.get("stage", i)), cand, m))
+                curves.append((i, stage.stage, cand, m))
     if not curves:
         return None
     fig, axes = _figure(2, 1, figsize=(8.0, 5.5), sharex=True)
     color_of: dict[str, str] = {}
     for i, stage_name, cand, m in curves:
-        label = f"{stage_name}: {cand.get('candidate', '?')}"
+        label = f"{stage_name}: {cand.candidate}"
         color = color_of.setdefault(label, f"C{len(color_of) % 10}")
-        promoted, passed = bool(cand.get("promoted")), bool(cand.get("passed"))
+        promoted, passed = cand.promoted, cand.passed
         style = {"lw": 2.5 if promoted else 1.0, "ls": "-" if passed or promoted else "--",
                  "color": color, "alpha": 1.0 if promoted else 0.8}
         for row, (key, _) in enumerate(panels):
@@ -258,7 +278,7 @@ def campaign_plot(stages: Sequence[Mapping[str, Any]], out_path: str | Path) -> 
                                           "" if passed else " (failed)"), **style)
             ax.plot([x[-1]], [ys[-1]], marker="*" if promoted else "o",
                     ms=11 if promoted else 5, color=color, ls="none")
-    names = [str(s.get("stage", i)) for i, s in enumerate(stages)]
+    names = [s.stage for s in stages]
     for row, (_, ylabel) in enumerate(panels):
         ax = axes[row][0]
         for boundary in range(1, len(stages)):

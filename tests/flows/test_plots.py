@@ -2,7 +2,7 @@
 
 import math
 
-from flows.plots import campaign_plot, run_plots
+from flows.plots import PlotCandidate, PlotStage, campaign_plot, run_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = {"logprob_diff.png", "entropy.png", "reward_eval.png", "is_weights.png",
@@ -71,18 +71,15 @@ def test_missing_metrics_skip_their_figure(tmp_path):
 
 def test_campaign_plot(tmp_path):
     stages = [
-        {"stage": "baseline", "candidates": [
-            {"candidate": "sync", "history": _history(20), "passed": True, "promoted": True}]},
-        {"stage": "fully_async", "candidates": [
-            {"candidate": "compis", "history": _history(30, reward_shift=0.1), "passed": True,
-             "promoted": True},
-            {"candidate": "no-correction", "history": _history(12, reward_shift=-0.1),
-             "passed": False, "promoted": False}]},
+        PlotStage("baseline", [PlotCandidate("sync", _history(20), passed=True, promoted=True)]),
+        PlotStage("fully_async", [
+            PlotCandidate("compis", _history(30, reward_shift=0.1), passed=True, promoted=True),
+            PlotCandidate("no-correction", _history(12, reward_shift=-0.1), passed=False,
+                          promoted=False)]),
     ]
     out = campaign_plot(stages, tmp_path / "campaign" / "campaign.png")
     assert out == tmp_path / "campaign" / "campaign.png"
     assert _is_png(out)
-    no_data = [{"stage": "s", "candidates": [{"candidate": "c", "history": [], "passed": False,
-                                              "promoted": False}]}]
+    no_data = [PlotStage("s", [PlotCandidate("c", [], passed=False, promoted=False)])]
     assert campaign_plot(no_data, tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
