@@ -67,7 +67,7 @@ from training.runtime.types import Group, RolloutState, RunCounters, RunState
 from training.runtime.weight_sync import ParameterSync, SyncError, parameter_sync
 
 __all__ = ["RunError", "RunResult", "Runtime", "default_run_dir", "initial_checkpoint",
-           "run_recipe", "split_stale", "start_ray"]
+           "preflight", "run_recipe", "split_stale", "start_ray"]
 
 log = logging.getLogger("asyncrl.runtime")
 
@@ -106,13 +106,31 @@ def check_task(recipe: Recipe) -> None:
                        "fix task.args") from None
 
 
-def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = None) -> Path:
-    """The HF directory the run starts from: the cached warm start or the given checkpoint.
-    Checks first that the recipe's backends can run here and that its task can be built
-    (before a minutes-long warm start)."""
+_PREFLIGHT_PASSED: set[str] = set()  # recipes (as JSON) that passed preflight in this process
+
+
+def preflight(recipe: Recipe) -> None:
+    """Everything a run checks before it starts anything, each a one-line :class:`RunError`
+    (or :class:`~training.recipe.RecipeError`) naming the fix: the train backend
+    (:func:`check_train_backend`), the rollout backend (:func:`check_rollout_backend`) and the
+    task (:func:`check_task`, which builds it: a large data file is read). Every entry point
+    calls it (the CLI before the warm start, :func:`run_recipe` before the run directory's lock,
+    :meth:`Runtime.run`, :func:`initial_checkpoint`); a recipe that passed once in this process
+    is not checked again, so a run pays for it once."""
+    key = recipe.model_dump_json()
+    if key in _PREFLIGHT_PASSED:
+        return
     check_train_backend(recipe)
     check_rollout_backend(recipe)
     check_task(recipe)
+    _PREFLIGHT_PASSED.add(key)
+
+
+def initial_checkpoint(recipe: Recipe, progress: Callable[[Any], None] | None = None) -> Path:
+    """The HF directory the run starts from: the cached warm start or the given checkpoint.
+    Checks first (:func:`preflight`) that the recipe's backends can run here and that its task
+    can be built (before a minutes-long warm start)."""
+    preflight(recipe)
     if isinstance(recipe.model, CheckpointModel):
         path = Path(recipe.model.path).expanduser()
         from training.engines.hf_io import read_model_config
@@ -284,8 +302,7 @@ class Runtime:
 
     # --- the run ------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        check_train_backend(self.recipe)
-        check_rollout_backend(self.recipe)
+        preflight(self.recipe)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         resume_state = self._load_resume_state() if self.resume else None
         if resume_state is None:
@@ -673,9 +690,7 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
     rt = Runtime(recipe, out=run_dir, steps=steps, resume=resume is not None,
                  ray_address=ray_address, sinks=sinks, progress=progress,
                  checkpoint_every=checkpoint_every)
-    check_train_backend(recipe)  # refused here, before the lock creates the run directory
-    check_rollout_backend(recipe)
-    check_task(recipe)
+    preflight(recipe)  # refused here, before the lock creates the run directory
     try:  # one writer per run directory (two terminals resuming it would interleave its files)
         lock = RunDirLock(run_dir).acquire()
     except OwnedError as e:
