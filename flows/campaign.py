@@ -51,6 +51,7 @@ from flows.events import (
     EventFn,
     PromotedEvent,
     StageEvent,
+    StepEvent,
 )
 from flows.launch import Launch, launched
 from flows.plot_queue import PlotQueue
@@ -179,8 +180,13 @@ def _run_candidate(db: Any, campaign_id: str, stage: str, candidate: str, recipe
     if resume is None and run_dir.exists():
         import shutil
         shutil.rmtree(run_dir)  # a start that died before its first checkpoint
+    def progress(step: int, total: int, metrics: Mapping[str, float]) -> None:
+        reward = metrics.get("rollout/reward_mean")
+        _emit(_to_listeners, StepEvent(stage, candidate, step, total,
+                                       None if reward is None else float(reward)))
+
     result = run_recipe(recipe, out=None if resume else run_dir, resume=resume, sinks=sinks,
-                        checkpoint_every=max(1, recipe.steps // 4))
+                        checkpoint_every=max(1, recipe.steps // 4), progress=progress)
     if result.interrupted:
         raise KeyboardInterrupt
     db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="finished",
@@ -629,7 +635,7 @@ class _Flow:
                  else "passed" if report.passed else "rejected")
         _emit(self.events, CandidateEvent(stage.name, name, shown, recipe_hash=rhash,
                                           summary=run.summary,
-                                          gates=[g.to_dict() for g in report.gates],
+                                          gates=list(report.gates),
                                           samples_trained=report.samples_trained))
         return CandidateOutcome(candidate=name, recipe=recipe, recipe_hash=rhash, run=run,
                                 report=report, mlflow_run_id=child.id)

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PromotedEvent", "StageEvent"]
+if TYPE_CHECKING:
+    from registry.gates import GateResult
+
+__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PromotedEvent", "StageEvent",
+           "StepEvent"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,20 @@ class CandidateEvent:
     status: Literal["running", "passed", "rejected", "reference"]
     recipe_hash: str | None = None
     summary: Mapping[str, Any] | None = None
-    gates: Sequence[Mapping[str, Any]] | None = None
+    gates: Sequence[GateResult] | None = None
     samples_trained: int | None = None
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """A candidate's run finished training step ``step`` of ``total`` (1-based), with that
+    step's mean rollout reward (None if it logged none)."""
+
+    stage: str
+    candidate: str
+    step: int
+    total: int
+    reward: float | None = None
 
 
 @dataclass(frozen=True)
@@ -50,5 +66,5 @@ class PromotedEvent:
     candidate: str
 
 
-CampaignEvent = StageEvent | CandidateEvent | PromotedEvent
+CampaignEvent = StageEvent | CandidateEvent | StepEvent | PromotedEvent
 EventFn = Callable[[CampaignEvent], None]

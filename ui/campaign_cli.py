@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -47,14 +48,86 @@ def _live_table(state: dict[tuple[str, str], dict[str, Any]]):
             v = s.get(key)
             return "—" if v is None else f"{v:.3g}"
 
-        failed = ", ".join(g["name"] for g in row.get("gates", []) if not g["passed"])
+        failed = ", ".join(g.name for g in row.get("gates", []) if not g.passed)
         t.add_row(stage, cand, row.get("status", ""), f("rollout/reward_mean"),
                   f("eval/reward_mean"), f("mismatch/train_rollout/logprob_abs_diff/mean"),
                   f("async/staleness/mean"), failed)
     return t
 
 
-def _load(path: Path) -> tuple[Campaign, dict[str, Any]]:
+class _EventLines:
+    """What the live table shows, off a terminal (a file, a pipe, CI, nohup): one plain line per
+    event, names whole, written at once — a stage starting, a candidate starting, its progress
+    every ``every`` steps (default: a tenth of its steps) and at its last, its verdict with the
+    failed gates' values and limits, a promotion; the warm start's progress by tenths."""
+
+    def __init__(self, out: Any, every: int | None = None) -> None:
+        self.out = out
+        self.every = every
+        self._warm: tuple[str, int] | None = None
+
+    def line(self, text: str) -> None:
+        import time
+
+        self.out.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        self.out.flush()
+
+    def __call__(self, ev: Any) -> None:
+        from flows.events import CandidateEvent, PromotedEvent, StageEvent, StepEvent
+
+        if isinstance(ev, StageEvent):
+            self.line(f"stage {ev.stage}: {ev.shown}" + (f" — {ev.verdict}" if ev.verdict
+                                                         else ""))
+        elif isinstance(ev, StepEvent):
+            every = self.every or max(1, ev.total // 10)
+            if ev.step % every == 0 or ev.step == ev.total:
+                reward = "" if ev.reward is None else f", rollout reward {ev.reward:.3g}"
+                self.line(f"{ev.stage}/{ev.candidate}: step {ev.step}/{ev.total}{reward}")
+        elif isinstance(ev, CandidateEvent):
+            if ev.status == "running":
+                self.line(f"{ev.stage}/{ev.candidate}: running (recipe {ev.recipe_hash})")
+                return
+            s = ev.summary or {}
+            figures = "; ".join(f"{label} {s[key]:.3g}" for key, label in (
+                ("rollout/reward_mean", "reward"), ("eval/reward_mean", "eval"))
+                if isinstance(s.get(key), int | float))
+            failed = [g for g in ev.gates or [] if not g.passed]
+            gates = "; failed " + ", ".join(
+                f"{g.name} (value {_num(g.value)}, limit {_num(g.threshold)})" for g in failed
+            ) if failed else ""
+            self.line(f"{ev.stage}/{ev.candidate}: {ev.status}"
+                      + (f" ({figures})" if figures else "") + gates)
+        elif isinstance(ev, PromotedEvent):
+            self.line(f"stage {ev.stage}: promoted {ev.candidate}")
+
+    def report(self, text: str | None) -> None:
+        """The warm start's progress (``"train 120/700"``), a line per phase and tenth."""
+        if text is None:
+            if self._warm is not None:
+                self.line("warm start: done")
+            self._warm = None
+            return
+        phase, _, count = text.rpartition(" ")
+        step, _, total = count.partition("/")
+        if not (step.isdigit() and total.isdigit()):
+            return self.line(f"warm start: {text}")
+        tenth = int(step) * 10 // max(int(total), 1)
+        if self._warm != (phase, tenth):
+            self._warm = (phase, tenth)
+            self.line(f"warm start: {text}")
+
+
+def _stop(live: Any) -> None:
+    """Stop the live table (nothing to stop off a terminal)."""
+    if live is not None:
+        live.stop()
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def _load(path: Path) -> tuple[Campaign, Recipe]:
     """The campaign in ``path`` and its base recipe, validated; a bad file is one line."""
     from registry.campaign import CampaignError, load_campaign
 
@@ -132,7 +205,7 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
     from rich.console import Console
     from rich.live import Live
 
-    from flows.events import CampaignEvent, CandidateEvent, PromotedEvent
+    from flows.events import CampaignEvent, CandidateEvent, PromotedEvent, StepEvent
     from registry.campaign import CampaignError
     from registry.db import RegistryError
     from training.recipe import RecipeError
@@ -140,11 +213,19 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
 
     console = Console(stderr=as_json)
     state: dict[tuple[str, str], dict[str, Any]] = {}
+    # a terminal gets the live table; a file, a pipe or CI one plain line per event
+    lines = None if console.is_terminal else _EventLines(console.file)
 
-    with Live(_live_table({}), console=console, refresh_per_second=4,
-              transient=False) as live:
+    with (Live(_live_table({}), console=console, refresh_per_second=4, transient=False)
+          if lines is None else contextlib.nullcontext()) as live:
         def on_event(ev: CampaignEvent) -> None:
-            if isinstance(ev, CandidateEvent):
+            if lines is not None:
+                lines(ev)
+                return
+            if isinstance(ev, StepEvent):
+                row = state.setdefault((ev.stage, ev.candidate), {})
+                row["status"] = f"step {ev.step}/{ev.total}"
+            elif isinstance(ev, CandidateEvent):
                 row = state.setdefault((ev.stage, ev.candidate), {})
                 row["status"] = ev.status
                 row.update({k: v for k, v in (("summary", ev.summary), ("gates", ev.gates))
@@ -159,8 +240,12 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
         try:
             if up_api:
                 console.print(f"flow run on the Prefect server of `asyncrl up` ({up_api}); "
-                              "keep it up until the campaign ends")
+                              "keep it up until the campaign ends", soft_wrap=True)
+
             def report(text: str | None) -> None:
+                if lines is not None:
+                    lines.report(text)
+                    return
                 if text is None:
                     state.pop(("(warm start)", ""), None)
                 else:
@@ -175,16 +260,16 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
             if isinstance(outcome, BaseException):
                 raise outcome
         except (CampaignError, RecipeError, RunError, RegistryError) as e:
-            live.stop()
+            _stop(live)
             fail(f"{e} (campaign {campaign_id}; resume with: asyncrl campaign resume "
                   f"{campaign_id})")
         except KeyboardInterrupt:
-            live.stop()
+            _stop(live)
             fail(f"interrupted; resume with: asyncrl campaign resume {campaign_id}", 130)
         except RuntimeError as e:
             if "Prefect API" not in str(e):
                 raise
-            live.stop()
+            _stop(live)
             fail(f"Prefect's temporary API server did not start ({str(e).splitlines()[0]}); "
                   "the machine may be busy: try again, raise "
                   "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or run `asyncrl up` and "
@@ -204,15 +289,16 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
     from flows.tracking import Tracker, default_tracking_uri, redact_uri, where_to_look
     from registry.db import default_url
 
+    # soft_wrap: whole lines, never folded at 80 columns in a log file
     console.print(f"campaign [bold]{outcome.campaign_id}[/]: {outcome.status} — "
-                  f"{outcome.verdict}")
+                  f"{outcome.verdict}", soft_wrap=True)
     for stage, p in outcome.promoted.items():
         console.print(f"  {stage}: promoted {p.candidate} (recipe {p.recipe_hash}, MLflow "
-                      f"version {p.mlflow_version}) → {p.checkpoint}")
+                      f"version {p.mlflow_version}) → {p.checkpoint}", soft_wrap=True)
     if outcome.diagnosis:
         for f in outcome.diagnosis.get("findings", []):
             console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
-                          f"fix: {f.get('fix')}")
+                          f"fix: {f.get('fix')}", soft_wrap=True)
     uri = default_tracking_uri()
     link = Tracker(uri).run_url(outcome.mlflow_run_id) if outcome.mlflow_run_id else None
     console.print(f"where to look: `asyncrl campaign status {outcome.campaign_id}`; "

@@ -219,7 +219,19 @@ def test_gates_command_rejudges_with_the_recorded_configuration(campaign_run):
 
 def test_the_flow_reports_its_progress_as_typed_events(campaign_run):
     """What `campaign launch`'s live table is drawn from, in the order it happened."""
-    from flows.events import CandidateEvent, PromotedEvent, StageEvent
+    from flows.events import CandidateEvent, PromotedEvent, StageEvent, StepEvent
+
+    # every trained run reports each step once, in order (what the table's state column and the
+    # plain lines off a terminal show)
+    steps: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for ev in EVENTS["first"]:
+        if isinstance(ev, StepEvent):
+            steps.setdefault((ev.stage, ev.candidate), []).append((ev.step, ev.total))
+            assert ev.reward is None or 0.0 <= ev.reward <= 1.0
+    assert set(steps) == {("baseline", "default"), ("async", "one-step"), ("async", "sync")}
+    for got in steps.values():
+        total = got[0][1]
+        assert got == [(i, total) for i in range(1, total + 1)]
 
     def brief(ev):
         if isinstance(ev, StageEvent):
@@ -229,7 +241,8 @@ def test_the_flow_reports_its_progress_as_typed_events(campaign_run):
         assert isinstance(ev, PromotedEvent)
         return ("promoted", ev.stage, ev.candidate)
 
-    assert [brief(e) for e in EVENTS["first"]] == [
+    shown = [e for e in EVENTS["first"] if not isinstance(e, StepEvent)]
+    assert [brief(e) for e in shown] == [
         ("stage", "baseline", "running"),
         ("candidate", "baseline", "default", "running"),
         ("candidate", "baseline", "default", "passed"),

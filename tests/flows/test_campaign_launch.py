@@ -6,6 +6,7 @@ finished campaign builds no warm start again (its first stage is promoted)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -44,6 +45,22 @@ def test_launch_builds_the_warm_start_and_promotes(launched):
     assert len(cache) == 1
     meta = json.loads((cache[0] / "asyncrl.json").read_text())
     assert meta["config"]["steps"] == 12 and meta["config"]["hidden_size"] == 32
+
+
+def test_off_a_terminal_the_launch_reports_each_event_on_one_line(launched):
+    """CliRunner's streams are not a terminal (nor are `> log`, CI or nohup): no live table;
+    with --json the event lines go to stderr and stdout keeps only the JSON."""
+    _, res = launched
+    lines = [line[9:] for line in res.stderr.splitlines()
+             if re.match(r"\d\d:\d\d:\d\d ", line)]  # not the libraries' log lines
+    assert lines[0].startswith("warm start: train ") and "warm start: done" in lines
+    run = lines[lines.index("warm start: done") + 1:]
+    assert run[:2] == ["stage only: running", f"only/default: running (recipe {run[1][-17:-1]})"]
+    assert [line.split(",")[0] for line in run[2:4]] == ["only/default: step 1/2",
+                                                         "only/default: step 2/2"]
+    assert run[4].startswith("only/default: passed (reward ")
+    assert run[5:] == ["stage only: promoted default"]
+    assert "┃" not in res.stderr and "━" not in res.stderr  # no table drawn
 
 
 def test_resuming_a_promoted_first_stage_builds_no_warm_start(launched):

@@ -259,3 +259,52 @@ def test_diagnose_prints_cause_b_and_an_override_that_loads(tmp_path):
     diag = json.loads(runner.invoke(app, ["diagnose", str(tmp_path), "--json"]).stdout)
     assert diag["causes"] == ["B"] and diag["recipe"] == "recipe.yaml"
     assert diag["findings"][0]["override_error"] is None
+
+
+def test_off_a_terminal_each_event_is_one_plain_line_with_names_whole():
+    """`campaign launch > log` (CI, nohup, a scheduler): no live table, one line per event —
+    names whole however long, progress by tenths of a run's steps, a rejection with its failed
+    gates' values and limits, the warm start's progress by tenths."""
+    import io
+    import re
+
+    from flows.events import CandidateEvent, PromotedEvent, StageEvent, StepEvent
+    from registry.gates import GateResult
+    from ui.campaign_cli import _EventLines
+
+    out = io.StringIO()
+    lines = _EventLines(out)
+    stage, cand = "baseline-with-a-long-stage-name", "candidate-with-a-long-name"
+    failed = GateResult("eval_not_degraded", False, 0.3125, 0.45, (0, 19), "eval fell", {})
+    passed = GateResult("reward_not_collapsed", True, 0.5, 0.05, (0, 19), "fine", {})
+    for text in ["train 1/700", "train 69/700", "train 70/700", "train 71/700",
+                 "train 700/700", None]:
+        lines.report(text)
+    lines(StageEvent(stage, "running"))
+    lines(CandidateEvent(stage, cand, "running", recipe_hash="0123456789abcdef"))
+    for step in range(1, 21):
+        lines(StepEvent(stage, cand, step, 20, reward=0.25 if step < 20 else None))
+    lines(CandidateEvent(stage, cand, "rejected", summary={
+        "rollout/reward_mean": 0.41, "eval/reward_mean": 0.3125}, gates=[passed, failed]))
+    lines(CandidateEvent(stage, "other", "passed", summary={"rollout/reward_mean": 0.5},
+                         gates=[passed]))
+    lines(PromotedEvent(stage, "other"))
+    lines(StageEvent("next", "failed", verdict="no candidate passed"))
+    got = out.getvalue().splitlines()
+    assert all(re.match(r"^\d\d:\d\d:\d\d ", line) for line in got)
+    assert [line[9:] for line in got] == [
+        "warm start: train 1/700",
+        "warm start: train 70/700",  # a new tenth
+        "warm start: train 700/700",
+        "warm start: done",
+        f"stage {stage}: running",
+        f"{stage}/{cand}: running (recipe 0123456789abcdef)",
+        f"{stage}/{cand}: step 2/20, rollout reward 0.25",
+        *[f"{stage}/{cand}: step {s}/20, rollout reward 0.25" for s in range(4, 20, 2)],
+        f"{stage}/{cand}: step 20/20",
+        f"{stage}/{cand}: rejected (reward 0.41; eval 0.312); failed eval_not_degraded "
+        "(value 0.312, limit 0.45)",
+        f"{stage}/other: passed (reward 0.5)",
+        f"stage {stage}: promoted other",
+        "stage next: failed — no candidate passed",
+    ]
