@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefect import flow, task
+from prefect import flow, tags, task
 
+from flows.artifacts import publish_stage_report, stage_report, task_run_name
 from flows.events import (
     CampaignEvent,
     CandidateEvent,
@@ -140,7 +141,7 @@ def _cache_key(context: Any, params: Mapping[str, Any]) -> str:
 
 
 @task(name="run_candidate", retries=1, retry_delay_seconds=5, cache_key_fn=_cache_key,
-      persist_result=True)
+      persist_result=True, task_run_name=task_run_name("train"))
 def run_candidate(*, campaign_id: str, stage: str, candidate: str, recipe_hash: str,
                   recipe: Recipe, registry_url: str | None,
                   mlflow_run_id: str | None, tracking_uri: str | None) -> TrainedRun:
@@ -210,7 +211,7 @@ def _finished_run(run_dir: Path, steps: int) -> dict[str, Any] | None:
             "metrics_path": str(run_dir / "metrics.jsonl"), "summary": summary}
 
 
-@task(name="judge", retries=2, retry_delay_seconds=2)
+@task(name="judge", retries=2, retry_delay_seconds=2, task_run_name=task_run_name("judge"))
 def judge(*, run: TrainedRun, gates: list[GateSpec],
           references: dict[str, dict[str, float]], context: GateContext,
           registry_url: str | None, mlflow_run_id: str | None,
@@ -284,7 +285,8 @@ def samples_trained(summary: Mapping[str, Any], history: list[dict[str, Any]],
     return None
 
 
-@task(name="promote", retries=2, retry_delay_seconds=2)
+@task(name="promote", retries=2, retry_delay_seconds=2,
+      task_run_name=task_run_name("promote"))
 def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
             recipe_hash: str, checkpoint: str, reason: str, registry_url: str | None,
             mlflow_run_id: str | None, tracking_uri: str | None) -> PromotionResult:
@@ -313,6 +315,16 @@ def model_name(campaign_name: str) -> str:
 # --- the flow -----------------------------------------------------------------------------------
 
 
+def _promotion_reason(stage: Stage, winner: CandidateOutcome, why: str) -> str:
+    """Why ``winner`` is promoted, in words: the rule, its gates, the data it saw, its eval and
+    (best_eval) how it compares with the other passing candidates."""
+    trained = winner.report.samples_trained
+    return (f"{stage.promotion}: passed {len(winner.report.gates)} gates"
+            + (f" after {trained} samples" if trained is not None else "")
+            + (f", eval {winner.eval_reward:.3f}" if winner.eval_reward is not None else "")
+            + (f"; {why}" if stage.promotion == "best_eval" and why else ""))
+
+
 def _choose(stage: Stage, outcomes: list[CandidateOutcome]
             ) -> tuple[CandidateOutcome | None, str]:
     """The stage's winner by its promotion rule (:func:`registry.promotion.choose`: best_eval
@@ -326,7 +338,7 @@ def _choose(stage: Stage, outcomes: list[CandidateOutcome]
     return (None if choice.index is None else passing[choice.index]), choice.reason
 
 
-@flow(name="asyncrl-campaign", log_prints=False)
+@flow(name="asyncrl-campaign", flow_run_name="{campaign_id}", log_prints=False)
 def campaign_flow(campaign_path: str, campaign_id: str, registry_url: str | None = None,
                   tracking_uri: str | None = None) -> Any:
     """Run (or continue) the campaign in ``campaign_path`` under ``campaign_id``: launched once
@@ -348,9 +360,11 @@ def run_stages(launch: Launch, *, tracking_uri: str | None = None,
                                                         mlflow_run_id=fl.parent.id))
     try:
         for index, stage in enumerate(launch.campaign.stages):
-            if not (fl.stage_done_before(index, stage, ladder)
-                    or fl.run_stage(index, stage, ladder)):
-                break
+            # the stage's task runs carry these tags in the Prefect UI
+            with tags("asyncrl", f"campaign:{launch.campaign.name}", f"stage:{stage.name}"):
+                if not (fl.stage_done_before(index, stage, ladder)
+                        or fl.run_stage(index, stage, ladder)):
+                    break
         fl.finish(ladder)
     except BaseException as e:
         fl.abort(e)
@@ -521,6 +535,9 @@ class _Flow:
             if stage.promotion == "first_passing" and o.passed:
                 break
         winner, why = _choose(stage, outcomes)
+        publish_stage_report(self.campaign_id, stage.name, stage_report(
+            stage.name, outcomes, winner,
+            _promotion_reason(stage, winner, why) if winner is not None else why))
         ladder.plot_stages.append(PlotStage(stage.name, [
             PlotCandidate(s.candidate, read_metrics(s.run.metrics_path),
                           passed=s.report.passed, promoted=s is winner)
@@ -563,12 +580,7 @@ class _Flow:
 
     def promote(self, index: int, stage: Stage, winner: CandidateOutcome,
                 ladder: _Ladder, why: str = "") -> None:
-        trained = winner.report.samples_trained
-        reason = (f"{stage.promotion}: passed {len(winner.report.gates)} gates"
-                  + (f" after {trained} samples" if trained is not None else "")
-                  + (f", eval {winner.eval_reward:.3f}"
-                     if winner.eval_reward is not None else "")
-                  + (f"; {why}" if stage.promotion == "best_eval" and why else ""))
+        reason = _promotion_reason(stage, winner, why)
         promo = promote(campaign_id=self.campaign_id, campaign_name=self.campaign.name,
                         stage=stage.name, candidate=winner.candidate,
                         recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,

@@ -155,7 +155,7 @@ def _run_flow(campaign: Campaign, base: Recipe, path: Path, campaign_id: str,
     try:
         with launch_campaign(campaign, base, path, campaign_id) as launched:
             _follow_flow(cflow, path, campaign_id, as_json, up_api,
-                         _first_stage_recipes(launched))
+                         _first_stage_recipes(launched), campaign_name=campaign.name)
     except RegistryError as e:  # CampaignOwnedError: another live process runs it
         fail(str(e))
 
@@ -201,7 +201,8 @@ def _start(recipes: list[Recipe], report: Callable[[str | None], None]) -> None:
 
 
 def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
-                 up_api: str | None = None, first: list[Recipe] | None = None) -> None:
+                 up_api: str | None = None, first: list[Recipe] | None = None, *,
+                 campaign_name: str | None = None) -> None:
     from rich.console import Console
     from rich.live import Live
 
@@ -255,7 +256,10 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
             _start(first or [], report)
             # a stopped campaign ends its flow run Failed (flows.campaign.flow_result): read
             # the outcome from the state; an exception the flow raised is raised again here
-            flow_state = cflow.campaign_flow(str(path), campaign_id, return_state=True)
+            from prefect import tags  # the flow run's tags in the Prefect UI
+
+            with tags("asyncrl", *([f"campaign:{campaign_name}"] if campaign_name else [])):
+                flow_state = cflow.campaign_flow(str(path), campaign_id, return_state=True)
             outcome = flow_state.result(raise_on_failure=False)
             if isinstance(outcome, BaseException):
                 raise outcome

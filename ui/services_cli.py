@@ -444,6 +444,7 @@ def deploy(
         scheduled_campaign_flow.serve(
             name=deployment, cron=cron, interval=interval, limit=1,
             parameters={"campaign_path": str(Path(path).resolve())},
+            tags=["asyncrl", f"campaign:{campaign.name}"],
             print_starting_message=False)
     typer.echo("stopped serving")
 

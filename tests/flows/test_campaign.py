@@ -288,3 +288,38 @@ def test_the_campaign_report_is_generated_from_the_records(campaign_run):
     assert f"- `one-step` FAIL `staleness_within_bound`: {stale.evidence}" in text
     bad = CliRunner().invoke(app, ["campaign", "report", "nope"])
     assert bad.exit_code == 1 and "no campaign 'nope'" in bad.output
+
+
+def test_prefect_shows_the_campaign_by_name_with_tagged_tasks_and_stage_reports(campaign_run):
+    """In the Prefect UI: the flow run is named after the campaign id, each task run after what
+    it runs (``train|judge|promote <stage>/<candidate>``) with the campaign's and stage's tags,
+    and each judged stage has a markdown artifact with its runs' gate verdicts and the
+    promotion (the stopped campaign's says nothing passed)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(any_=["e2e-1", "e2e-stop"])))
+        assert sorted(r.name for r in runs) == ["e2e-1", "e2e-1", "e2e-stop"]
+        first = min((r for r in runs if r.name == "e2e-1"), key=lambda r: r.created)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [first.id]}))
+        names = sorted(t.name for t in tasks)
+        assert names == sorted([
+            "train baseline/default", "judge baseline/default", "promote baseline/default",
+            "train async/one-step", "judge async/one-step",
+            "train async/sync", "judge async/sync", "promote async/sync"])
+        for t in tasks:
+            stage = t.name.split(" ")[1].split("/")[0]
+            assert {"asyncrl", "campaign:e2e", f"stage:{stage}"} <= set(t.tags)
+        arts = {a.key: a for a in client.read_artifacts()
+                if a.key in ("e2e-1-baseline", "e2e-1-async", "e2e-stop-only")}
+    assert set(arts) == {"e2e-1-baseline", "e2e-1-async", "e2e-stop-only"}
+    assert all(a.type == "markdown" for a in arts.values())
+    md = arts["e2e-1-async"].data
+    assert "**Promoted:** `sync` (recipe `" in md and "first_passing: passed 2 gates" in md
+    assert "| `one-step` | rejected |" in md and "| `sync` | promoted |" in md
+    row = next(line for line in md.splitlines()
+               if line.startswith("| `staleness_within_bound` | **fail**"))
+    assert "| 1 | 0 |" in row  # one step stale, none allowed
+    assert "**No candidate passed its gates.**" in arts["e2e-stop-only"].data

@@ -134,6 +134,12 @@ def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str])
         fr = httpx.get(f"{api}/flow_runs/{out['flow_run_id']}", timeout=30).json()
         assert fr["state"]["type"] == "COMPLETED"
         assert fr["parameters"]["campaign_id"] == "dep-1"
+        # named after the campaign, tagged with it (the deployment's tags), and the stage's
+        # report attached
+        assert fr["name"] == "dep-1" and {"asyncrl", "campaign:deploytest"} <= set(fr["tags"])
+        arts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {
+            "any_": ["dep-1-only"]}}}, timeout=30).json()
+        assert len(arts) == 1 and "**Promoted:** `default`" in arts[0]["data"]
         dep = httpx.get(f"{api}/deployments/{fr['deployment_id']}", timeout=30).json()
         assert dep["name"] == "deploytest"
     finally:
@@ -185,6 +191,10 @@ def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
         db = RegistryDB(f"sqlite:///{home / 'registry.db'}")
         done_campaigns = [c for c in db.list_campaigns() if c.status == "finished"]
         assert done_campaigns and done_campaigns[0].id.startswith("deploytest-")
+        # the scheduled run, which made a new campaign id, was renamed to it
+        assert finished["id"] in {r["id"] for r in httpx.post(
+            f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [
+                c.id for c in done_campaigns]}}}, timeout=30).json()}
         assert [p.stage for p in db.promotions(campaign_id=done_campaigns[0].id)] == [
             "only"]
         db.close()

@@ -1,0 +1,82 @@
+"""What a campaign shows in the Prefect UI: flow and task runs named after what they run, tags,
+and a markdown artifact per judged stage with every run's gate verdicts and the promotion.
+
+The artifact is written from inside the flow run (Prefect attaches it to that run and lists it
+under Artifacts, keyed ``<campaign id>-<stage>``, so a resumed stage adds a version of the same
+key). Writing it never stops a campaign: a Prefect API that refuses it is a warning in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+
+from flows.results import CandidateOutcome
+
+__all__ = ["artifact_key", "publish_stage_report", "stage_report", "task_run_name"]
+
+log = logging.getLogger("asyncrl.campaign")
+
+
+def task_run_name(verb: str) -> Callable[[], str]:
+    """A task run's name, ``"<verb> <stage>/<candidate>"``, from the task's ``stage`` and
+    ``candidate`` parameters (or those of its ``where`` mapping), read when the run starts."""
+
+    def name() -> str:
+        from prefect.runtime import task_run
+
+        params = task_run.parameters or {}
+        where = params.get("where") or params
+        return f"{verb} {where.get('stage', '?')}/{where.get('candidate', '?')}"
+
+    return name
+
+
+def artifact_key(campaign_id: str, stage: str) -> str:
+    """Prefect's artifact keys are lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{campaign_id}-{stage}".lower()).strip("-")
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
+def stage_report(stage: str, outcomes: Sequence[CandidateOutcome],
+                 winner: CandidateOutcome | None, reason: str) -> str:
+    """The stage as markdown: one row per run (every seed) with its verdict, rollout reward,
+    eval and failed gates; then each run's gates (value, limit, verdict, evidence); then the
+    promotion and its reason (or that nothing passed)."""
+    runs = [s for o in outcomes for s in o.all_seeds]
+    out = [f"# Stage `{stage}`", "",
+           f"**Promoted:** `{winner.candidate}` (recipe `{winner.recipe_hash}`): {reason}"
+           if winner is not None else f"**No candidate passed its gates.** {reason}".rstrip(),
+           "", "| run | verdict | rollout reward | eval | failed gates |",
+           "|---|---|---|---|---|"]
+    for r in runs:
+        s = r.run.summary
+        verdict = "promoted" if winner is not None and r is winner else (
+            "passed" if r.report.passed else "rejected")
+        out.append(f"| `{r.candidate}` | {verdict} | {_num(s.get('rollout/reward_mean'))} | "
+                   f"{_num(s.get('eval/reward_mean'))} | "
+                   f"{', '.join(r.report.failed_gates) or '—'} |")
+    for r in runs:
+        out += ["", f"## `{r.candidate}`", "", "| gate | verdict | value | limit | evidence |",
+                "|---|---|---|---|---|"]
+        for g in r.report.gates:
+            evidence = g.evidence.replace("|", "\\|").replace("\n", " ")
+            out.append(f"| `{g.name}` | {'pass' if g.passed else '**fail**'} | "
+                       f"{_num(g.value)} | {_num(g.threshold)} | {evidence} |")
+    return "\n".join(out) + "\n"
+
+
+def publish_stage_report(campaign_id: str, stage: str, markdown: str) -> None:
+    """Attach ``markdown`` to the running flow run as the artifact :func:`artifact_key`."""
+    from prefect.artifacts import create_markdown_artifact
+
+    try:
+        create_markdown_artifact(markdown, key=artifact_key(campaign_id, stage),
+                                 description=f"campaign {campaign_id}, stage {stage}: gate "
+                                             "verdicts and the promotion")
+    except Exception as e:  # the report is for people; the campaign goes on without it
+        log.warning("stage %s: the Prefect artifact was not written (%s)", stage, e)
