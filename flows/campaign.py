@@ -65,7 +65,7 @@ from flows.results import (
     PromotionResult,
     TrainedRun,
 )
-from flows.tracking import TrackedRun
+from flows.tracking import TAG_CHAMPION, TAG_DESCRIPTION, TrackedRun
 from registry.campaign import (
     Campaign,
     GateSpec,
@@ -289,16 +289,26 @@ def samples_trained(summary: Mapping[str, Any], history: list[dict[str, Any]],
       task_run_name=task_run_name("promote"))
 def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
             recipe_hash: str, checkpoint: str, reason: str, registry_url: str | None,
-            mlflow_run_id: str | None, tracking_uri: str | None) -> PromotionResult:
-    """Record the promotion (idempotent) and register the checkpoint in MLflow with aliases."""
-    from flows.tracking import Tracker
+            mlflow_run_id: str | None, tracking_uri: str | None,
+            eval_reward: float | None = None) -> PromotionResult:
+    """Record the promotion (idempotent) and register the checkpoint in MLflow with aliases
+    (``stage-<stage>``, and ``champion``: the newest promotion, see docs/campaigns.md), a
+    description (campaign, stage, candidate, the reason) and tags (recipe hash, eval); the
+    candidate's run is tagged ``asyncrl.promoted``."""
+    from flows.tracking import TAG_PROMOTED, Tracker
     from registry.db import RegistryDB
 
     version = None
     if mlflow_run_id:
-        version = Tracker(tracking_uri).register_model(
+        tracker = Tracker(tracking_uri)
+        version = tracker.register_model(
             model_name(campaign_name), mlflow_run_id, checkpoint,
-            aliases=[f"stage-{stage}", "champion"])
+            aliases=[f"stage-{stage}", "champion"],
+            description=f"campaign {campaign_id}, stage {stage}: {candidate} — {reason}",
+            tags={"asyncrl.campaign_id": campaign_id, "asyncrl.stage": stage,
+                  "asyncrl.candidate": candidate, "asyncrl.recipe_hash": recipe_hash,
+                  **({} if eval_reward is None else {"asyncrl.eval_reward": f"{eval_reward:.4g}"})})
+        tracker.set_tags(mlflow_run_id, {TAG_PROMOTED: "true"})
     reached(f"promote:mlflow:{stage}")
     with RegistryDB(registry_url) as db:
         pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
@@ -585,8 +595,17 @@ class _Flow:
                         stage=stage.name, candidate=winner.candidate,
                         recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,
                         reason=reason, registry_url=self.registry_url,
-                        mlflow_run_id=winner.mlflow_run_id, tracking_uri=self.tracking_uri)
+                        mlflow_run_id=winner.mlflow_run_id, tracking_uri=self.tracking_uri,
+                        eval_reward=winner.eval_reward)
         reached(f"promoted:{stage.name}")
+        # the parent run: the champion so far and the stage's figures (step = the stage's index)
+        self.parent.set_tags({TAG_CHAMPION: f"{stage.name}/{winner.candidate}",
+                              f"asyncrl.promoted.{stage.name}": winner.candidate})
+        self.parent.log_metrics({
+            f"stage/{stage.name}/eval_reward": winner.eval_reward,
+            f"stage/{stage.name}/rollout_reward": winner.run.summary.get("rollout/reward_mean"),
+            f"stage/{stage.name}/samples_trained": winner.report.samples_trained,
+            f"stage/{stage.name}/candidates": float(len(stage.candidates))}, step=index)
         self.db.upsert_stage(self.campaign_id, stage.name, index, "finished")
         ladder.promoted(stage.name, winner.recipe, winner.report.summary_for_reference,
                         Promoted(winner.candidate, winner.recipe_hash, winner.run.final_hf,
@@ -604,6 +623,11 @@ class _Flow:
             outcome.verdict = (f"all {len(self.campaign.stages)} stages promoted; champion: "
                                f"{last}/{outcome.promoted[last].candidate}")
             self.db.set_campaign_status(self.campaign_id, "finished", verdict=outcome.verdict)
+        self.parent.set_tags({TAG_DESCRIPTION: "\n".join(
+            [f"campaign {self.campaign_id} ({self.campaign.name}): {outcome.status} — "
+             f"{outcome.verdict}"]
+            + [f"- {stage}: promoted {p.candidate} (recipe {p.recipe_hash})"
+               for stage, p in outcome.promoted.items()])})
         if self.parent.id is not None:
             try:
                 png = campaign_plot(ladder.plot_stages,

@@ -81,6 +81,12 @@ TAG_CANDIDATE = "asyncrl.candidate"
 TAG_RECIPE_HASH = "asyncrl.recipe_hash"
 TAG_MODE = "asyncrl.mode"
 TAG_LOGGED_UNTIL = "asyncrl.logged_until_step"
+TAG_PROMOTED = "asyncrl.promoted"  # "true" on a candidate run its stage promoted
+TAG_CHAMPION = "asyncrl.champion"  # on the parent run: "<stage>/<candidate>" promoted last
+TAG_DESCRIPTION = "mlflow.note.content"  # what MLflow's UI shows as a run's description
+# MLflow 3 opens an experiment without this tag in its GenAI view ("Evaluation runs", the
+# parent showing "Metrics (0)"); this value is its model-training view
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 _PARENT_TAG = "mlflow.parentRunId"
 
 #: MLflow accepts at most 1000 entities (metrics + params + tags) in one ``log_batch``; one slot
@@ -290,6 +296,8 @@ class Tracker:
         if exp is not None:
             if exp.lifecycle_stage == "deleted":
                 self.client.restore_experiment(exp.experiment_id)
+            if EXPERIMENT_KIND[0] not in exp.tags:  # made by an older asyncrl; a user's wins
+                self.client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
             return exp.experiment_id
         location = None
         if self.artifact_root:
@@ -298,7 +306,8 @@ class Tracker:
                 slug += "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
             location = f"{self.artifact_root.rstrip('/')}/{slug}"
         try:
-            return self.client.create_experiment(name, artifact_location=location)
+            return self.client.create_experiment(name, artifact_location=location,
+                                                 tags=dict([EXPERIMENT_KIND]))
         except Exception:
             exp = self.client.get_experiment_by_name(name)  # created concurrently
             if exp is None:
@@ -428,6 +437,18 @@ class Tracker:
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         self._set_tags(run_id, tags)
 
+    @_tolerant("log_metrics")
+    def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int = 0) -> None:
+        """Log finite ``metrics`` at ``step`` (keys through :func:`metric_key`)."""
+        from mlflow.entities import Metric
+
+        assert self.client is not None
+        now = int(time.time() * 1000)
+        items = [Metric(metric_key(k), v, now, step) for k, raw in metrics.items()
+                 if (v := _finite(raw)) is not None]
+        if items:
+            self.client.log_batch(run_id, metrics=items)
+
     @_tolerant("end_run")
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         """Mark the run FINISHED, FAILED or KILLED."""
@@ -437,12 +458,14 @@ class Tracker:
     # --- model registry ---------------------------------------------------------------------
     @_tolerant("register_model")
     def register_model(self, name: str, run_id: str, checkpoint_dir: str | os.PathLike[str], *,
-                       aliases: Iterable[str] = ()) -> str:
+                       aliases: Iterable[str] = (), description: str | None = None,
+                       tags: Mapping[str, Any] | None = None) -> str:
         """Register ``checkpoint_dir`` (a Hugging Face directory) as a version of model ``name``
         and point each alias at it. The directory is logged under the run's ``checkpoint``
         artifact path and the version's source is ``runs:/<run_id>/checkpoint``; when a version
         with that source exists it is reused (nothing is uploaded again) and only the aliases are
-        set. Returns the version number as a string."""
+        set. ``description`` and ``tags`` are put on the version (new or reused). Returns the
+        version number as a string."""
         assert self.client is not None
         source = f"runs:/{run_id}/{CHECKPOINT_ARTIFACT}"
         existing = [v for v in self.client.search_model_versions(f"run_id = '{run_id}'")
@@ -461,6 +484,10 @@ class Tracker:
             mv = self.client.create_model_version(
                 name, source, run_id=run_id, tags={"asyncrl.checkpoint_dir": str(ckpt)})
             version = str(mv.version)
+        if description:
+            self.client.update_model_version(name, version, description=description)
+        for key, value in (tags or {}).items():
+            self.client.set_model_version_tag(name, version, str(key), str(value))
         for alias in aliases:
             self.client.set_registered_model_alias(name, re.sub(r"[^\w\-]", "-", alias),
                                                    version)
@@ -525,6 +552,10 @@ class TrackedRun:
     def log_file(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         if self.id is not None:
             self.tracker.log_artifact_file(self.id, path, artifact_path)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int = 0) -> None:
+        if self.id is not None:
+            self.tracker.log_metrics(self.id, metrics, step)
 
     def end(self, status: str = "FINISHED") -> None:
         """Mark the run FINISHED, FAILED or KILLED."""

@@ -159,6 +159,26 @@ def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
     sync_run = next(r for r in children if r.data.tags.get("asyncrl.candidate") == "sync")
     assert champion.run_id == sync_run.info.run_id
     assert again.promoted == out.promoted
+    # MLflow 3 opens the experiment as model training, not in its GenAI evaluation view
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    # the promoted runs are tagged; the parent carries the champion, a description and each
+    # stage's figures (step = the stage's index)
+    promoted = {r.data.tags["asyncrl.candidate"] for r in children
+                if r.data.tags.get("asyncrl.promoted") == "true"}
+    assert promoted == {"default", "sync"}
+    parent = client.get_run(parents[0].info.run_id)
+    assert parent.data.tags["asyncrl.champion"] == "async/sync"
+    assert parent.data.tags["mlflow.note.content"].startswith(
+        "campaign e2e-1 (e2e): finished — all 2 stages promoted")
+    assert "- baseline: promoted default (recipe " in parent.data.tags["mlflow.note.content"]
+    for i, stage in enumerate(("baseline", "async")):
+        hist = client.get_metric_history(parent.info.run_id, f"stage/{stage}/rollout_reward")
+        assert [m.step for m in hist] == [i]
+        assert parent.data.metrics[f"stage/{stage}/samples_trained"] > 0
+    # the model version says what it is
+    assert champion.description.startswith("campaign e2e-1, stage async: sync — first_passing")
+    assert champion.tags["asyncrl.recipe_hash"] == out.promoted["async"].recipe_hash
+    assert champion.tags["asyncrl.stage"] == "async"
 
 
 def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
