@@ -64,6 +64,7 @@ from flows.results import (
     Promoted,
     PromotionResult,
     TrainedRun,
+    gate_notes,
 )
 from flows.tracking import TAG_CHAMPION, TAG_DESCRIPTION, TrackedRun
 from registry.campaign import (
@@ -545,6 +546,7 @@ class _Flow:
             if stage.promotion == "first_passing" and o.passed:
                 break
         winner, why = _choose(stage, outcomes)
+        ladder.outcome.gate_notes += gate_notes(stage.name, outcomes, stopped=winner is None)
         publish_stage_report(self.campaign_id, stage.name, stage_report(
             stage.name, outcomes, winner,
             _promotion_reason(stage, winner, why) if winner is not None else why))

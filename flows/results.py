@@ -143,12 +143,58 @@ class Promoted:
     mlflow_version: str | None
 
 
+@dataclass(frozen=True)
+class GateNote:
+    """A gate verdict worth a line at the end of a campaign: one a candidate of a stopped stage
+    failed, or one that passed without a value (too little data to judge, so the pass says
+    nothing). ``margin``: value − limit (its sign reads with the gate's direction, which the
+    evidence states); None without both."""
+
+    stage: str
+    candidate: str
+    gate: str
+    passed: bool
+    value: float | None
+    threshold: float | None
+    evidence: str
+
+    @property
+    def margin(self) -> float | None:
+        if self.value is None or self.threshold is None:
+            return None
+        return self.value - self.threshold
+
+
+def gate_notes(stage: str, outcomes: list[CandidateOutcome], stopped: bool) -> list[GateNote]:
+    """The stage's :class:`GateNote` s: every failed gate of every run when the stage
+    ``stopped`` the campaign, and every gate that passed without a value."""
+    return [GateNote(stage, r.candidate, g.name, g.passed, g.value, g.threshold, g.evidence)
+            for o in outcomes for r in o.all_seeds for g in r.report.gates
+            if (stopped and not g.passed) or (g.passed and g.value is None)]
+
+
+def recorded_gate_notes(db: Any, campaign_id: str) -> list[GateNote]:
+    """:func:`gate_notes` of a campaign as the registry recorded it (a run on a Prefect server:
+    the outcome comes from the registry): failed gates of the stages that stopped it, gates
+    that passed without a value, in stage order."""
+    failed_stages = {st.name for st in db.stages(campaign_id) if st.status == "failed"}
+    order = {st.name: st.index for st in db.stages(campaign_id)}
+    notes = []
+    for run in sorted(db.runs(campaign_id), key=lambda r: (order.get(r.stage, 0), r.id)):
+        for g in db.gate_results(run.id):
+            if (run.stage in failed_stages and not g.passed) or (g.passed and g.value is None):
+                notes.append(GateNote(run.stage, run.candidate, g.name, g.passed, g.value,
+                                      g.threshold, str(g.evidence or "")))
+    return notes
+
+
 @dataclass
 class CampaignOutcome:
     """What a campaign left: status (running while its stages run, then finished | stopped),
     the verdict, each promoted stage's :class:`Promoted` in stage order, the decision-tree
-    diagnosis of a stopped campaign (its JSON record, as the registry keeps it) and the MLflow
-    parent run."""
+    diagnosis of a stopped campaign (its JSON record, as the registry keeps it), the MLflow
+    parent run and the gate verdicts its last lines show (:func:`gate_notes`; this run's
+    stages only)."""
 
     campaign_id: str
     status: str
@@ -156,6 +202,7 @@ class CampaignOutcome:
     promoted: dict[str, Promoted] = field(default_factory=dict)
     diagnosis: dict[str, Any] | None = None
     mlflow_run_id: str | None = None
+    gate_notes: list[GateNote] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The outcome as JSON data (``--json``)."""

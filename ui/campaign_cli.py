@@ -280,12 +280,18 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
                   "set PREFECT_API_URL")
         finally:
             cflow.EVENT_LISTENERS.remove(on_event)
-    _print_outcome(console, outcome, outcome.to_json() if as_json else None)
+    prefect_api = up_api or os.environ.get("PREFECT_API_URL", "").strip()
+    flow_run_url = (prefect_api.rstrip("/").removesuffix("/api")
+                    + f"/runs/flow-run/{flow_state.state_details.flow_run_id}"
+                    if prefect_api else None)  # none for Prefect's temporary server
+    _print_outcome(console, outcome, outcome.to_json() if as_json else None,
+                   flow_run_url=flow_run_url)
     if outcome.status != "finished":
         raise typer.Exit(2)
 
 
-def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | None) -> None:
+def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | None, *,
+                   flow_run_url: str | None = None) -> None:
     """The outcome in words, or ``as_json`` (its JSON form, when --json asked for it)."""
     if as_json is not None:
         typer.echo(json.dumps(as_json, indent=2, default=str))
@@ -299,6 +305,15 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
     for stage, p in outcome.promoted.items():
         console.print(f"  {stage}: promoted {p.candidate} (recipe {p.recipe_hash}, MLflow "
                       f"version {p.mlflow_version}) → {p.checkpoint}", soft_wrap=True)
+    for n in outcome.gate_notes:
+        where = f"  {n.stage}/{n.candidate}: {n.gate}"
+        if n.passed:  # no value: too little data, so the pass says nothing
+            console.print(f"{where} passed without a value — {n.evidence}", soft_wrap=True,
+                          markup=False)
+        else:
+            margin = "" if n.margin is None else f", margin {n.margin:+.3g}"
+            console.print(f"{where} failed: value {_num(n.value)}, limit {_num(n.threshold)}"
+                          f"{margin} — {n.evidence}", soft_wrap=True, markup=False)
     if outcome.diagnosis:
         for f in outcome.diagnosis.get("findings", []):
             console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
@@ -308,6 +323,10 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
     console.print(f"where to look: `asyncrl campaign status {outcome.campaign_id}`; "
                   f"{where_to_look(uri)}" + (f" (this campaign: {link})" if link else "")
                   + f"; registry: {redact_uri(default_url())}", soft_wrap=True)
+    if link:
+        console.print(f"MLflow run: {link}", soft_wrap=True)
+    if flow_run_url:
+        console.print(f"Prefect flow run: {flow_run_url}", soft_wrap=True)
 
 
 @campaign_app.command("launch")
@@ -410,9 +429,12 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
                 fail(f"stopped waiting after {timeout:.0f} s; the run goes on: "
                       f"`asyncrl campaign status {campaign_id}`, {ui}", 3)
             time.sleep(2.0)
+    from flows.results import recorded_gate_notes
+
     db = open_registry()
     row = db.get_campaign(campaign_id)
     promos = db.promotions(campaign_id=campaign_id)
+    notes = recorded_gate_notes(db, campaign_id)
     db.close()
     if row is None:
         fail(f"the flow run ended ({state.type.value}: {state.message or ''}) before the "
@@ -421,12 +443,13 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
         campaign_id, row.status, row.verdict or "", diagnosis=row.diagnosis,
         promoted={p.stage: Promoted(p.candidate, p.recipe_hash, p.checkpoint, p.id,
                                     p.mlflow_version)
-                  for p in promos if p.actor == "auto"})
+                  for p in promos if p.actor == "auto"}, gate_notes=notes)
     if state.type.value != "COMPLETED" and row.status not in ("finished", "stopped"):
         fail(f"flow run {state.type.value.lower()}: {state.message or ''} (campaign "
               f"{campaign_id}; see {ui}; resume with: asyncrl campaign resume {campaign_id})")
     _print_outcome(console, outcome,
-                   _deployment_json(outcome, str(run.id), ui) if as_json else None)
+                   _deployment_json(outcome, str(run.id), ui) if as_json else None,
+                   flow_run_url=ui)
     if outcome.status != "finished":
         raise typer.Exit(2)
 

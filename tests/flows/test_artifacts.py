@@ -4,7 +4,7 @@ value, limit and evidence (a ``|`` in evidence escaped so the table holds), the 
 from __future__ import annotations
 
 from flows.artifacts import artifact_key, stage_report
-from flows.results import CandidateOutcome, GateReport, TrainedRun
+from flows.results import CampaignOutcome, CandidateOutcome, GateReport, TrainedRun, gate_notes
 from registry.gates import GateResult
 from training.recipe import recipe_from_dict
 
@@ -39,3 +39,32 @@ def test_the_stage_report_lists_every_run_and_gate():
 def test_artifact_keys_are_what_prefect_accepts():
     assert artifact_key("Seed_Ladder-20261128-abc", "one step/2") == \
         "seed-ladder-20261128-abc-one-step-2"
+
+
+def test_the_last_lines_show_failed_gates_with_margins_and_passes_without_a_value():
+    import io
+
+    from rich.console import Console
+
+    from ui.campaign_cli import _print_outcome
+
+    ok = GateResult("reward_not_collapsed", True, 0.5, 0.05, (0, 9), "std 0.5 ≥ 0.05", {})
+    empty = GateResult("grad_norm_no_spike", True, None, None, None,
+                       "not enough steps (2) with grad_norm to judge (need ≥ 4)", {})
+    bad = GateResult("eval_not_degraded", False, 0.25, 0.4, (0, 9), "eval [0.25] fell", {})
+    a = _outcome("a", [ok, empty, bad], 0.41, 0.25)
+    notes = gate_notes("s", [a], stopped=True)
+    assert [(n.gate, n.passed, n.margin) for n in notes] == [
+        ("grad_norm_no_spike", True, None), ("eval_not_degraded", False, -0.15000000000000002)]
+    assert [n.gate for n in gate_notes("s", [a], stopped=False)] == ["grad_norm_no_spike"]
+    out = io.StringIO()
+    outcome = CampaignOutcome("c-1", "stopped", "stage 's': no candidate passed",
+                              gate_notes=notes)
+    _print_outcome(Console(file=out, width=80), outcome, None,
+                   flow_run_url="http://127.0.0.1:4200/runs/flow-run/abc")
+    lines = out.getvalue().splitlines()
+    assert "  s/a: grad_norm_no_spike passed without a value — not enough steps (2) with " \
+           "grad_norm to judge (need ≥ 4)" in lines
+    assert "  s/a: eval_not_degraded failed: value 0.25, limit 0.4, margin -0.15 — eval " \
+           "[0.25] fell" in lines
+    assert lines[-1] == "Prefect flow run: http://127.0.0.1:4200/runs/flow-run/abc"

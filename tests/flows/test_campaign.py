@@ -197,8 +197,16 @@ def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
     parent = MlflowClient(tracking_uri=default_tracking_uri()).get_run(out.mlflow_run_id)
     assert parent.info.status == "FAILED"
     assert parent.data.tags["asyncrl.verdict"] == out.verdict
+    # the failing gate, with its value, limit and margin, for the outcome's last lines; the
+    # registry's record gives the same notes (a run on a Prefect server reads them there)
+    from flows.results import recorded_gate_notes
+
+    failed = [n for n in out.gate_notes if not n.passed]
+    assert [(n.stage, n.candidate, n.gate, n.value, n.threshold, n.margin) for n in failed] \
+        == [("only", "one-step", "staleness_within_bound", 1.0, 0.0, 1.0)]
     db = RegistryDB()
     assert db.get_campaign("e2e-stop").status == "stopped"
+    assert recorded_gate_notes(db, "e2e-stop") == out.gate_notes
     db.close()
 
 
