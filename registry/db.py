@@ -550,6 +550,15 @@ class RegistryDB:
             r = s.get(RecipeRow, recipe_hash)
             return None if r is None else recipe_record(r)
 
+    def recipe_hashes(self, prefix: str, limit: int = 10) -> list[str]:
+        """The registered recipe hashes that start with ``prefix`` (at most ``limit``, sorted):
+        what a hash the CLI printed shortened resolves to."""
+        if not re.fullmatch(r"[0-9a-f]*", prefix):
+            return []
+        with self._read() as s:
+            return list(s.scalars(select(RecipeRow.hash).where(RecipeRow.hash.startswith(prefix))
+                                  .order_by(RecipeRow.hash).limit(limit)))
+
     def _require_recipe(self, s: Session, recipe_hash: str) -> None:
         if s.get(RecipeRow, recipe_hash) is None:
             raise RegistryError(

@@ -16,6 +16,7 @@ as any reader of a WAL database does), and it sees what a running campaign has c
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from datetime import datetime
 from pathlib import Path
@@ -112,6 +113,13 @@ class SQLiteReader:
     def stages(self, campaign_id: str) -> list[StageRecord]:
         return [stage_record(r) for r in self._all(
             "SELECT * FROM stages WHERE campaign_id = ? ORDER BY position, id", campaign_id)]
+
+    def recipe_hashes(self, prefix: str, limit: int = 10) -> list[str]:
+        if not re.fullmatch(r"[0-9a-f]*", prefix):  # also keeps LIKE's wildcards out
+            return []
+        return [r.hash for r in self._all(
+            "SELECT hash FROM recipes WHERE hash LIKE ? ORDER BY hash LIMIT ?", prefix + "%",
+            int(limit))]
 
     def get_recipe(self, recipe_hash: str) -> RecipeRecord | None:
         rows = self._all("SELECT * FROM recipes WHERE hash = ?", recipe_hash)

@@ -59,6 +59,9 @@ class _NoRegistry:
     def get_recipe(self, recipe_hash: str) -> None:
         return None
 
+    def recipe_hashes(self, prefix: str, limit: int = 10) -> list[str]:
+        return []
+
     def promotions(self, **_filters: Any) -> list:
         return []
 
@@ -79,6 +82,29 @@ def read_registry() -> SQLiteReader | RegistryDB | _NoRegistry:
     except RegistryError as e:
         fail(str(e))
     return _NoRegistry() if db is None else db
+
+
+MIN_HASH_PREFIX = 4  # characters of a recipe hash the CLI accepts for the whole hash
+
+
+def resolve_recipe_hash(db: Any, text: str) -> str:
+    """The registered recipe hash ``text`` names: the hash itself, or a prefix of one (tables
+    print hashes shortened) that only one registered hash starts with. Anything else is a
+    one-line error naming the fix (``fail``)."""
+    text = text.strip().lower()
+    if db.get_recipe(text) is not None:
+        return text
+    hint = "`asyncrl registry list` shows the promoted ones"
+    if len(text) < MIN_HASH_PREFIX:
+        fail(f"no recipe {text!r} in the registry; give at least {MIN_HASH_PREFIX} characters "
+             f"of its hash ({hint})")
+    found = db.recipe_hashes(text, limit=6)
+    if not found:
+        fail(f"no recipe {text!r} in the registry; {hint}")
+    if len(found) > 1:
+        fail(f"recipe hash prefix {text!r} matches {', '.join(found[:5])}"
+             + (" and more" if len(found) > 5 else "") + "; give more characters")
+    return found[0]
 
 
 def answers(url: str) -> bool:

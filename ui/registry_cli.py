@@ -8,7 +8,7 @@ import os
 
 import typer
 
-from ui.common import fail, open_registry, read_registry
+from ui.common import fail, open_registry, read_registry, resolve_recipe_hash
 
 registry_app = typer.Typer(help="The recipe registry: promoted recipes and checkpoints.",
                            no_args_is_help=True)
@@ -38,9 +38,12 @@ def registry_list(campaign_id: str | None = typer.Option(None, "--campaign"),
 
 
 @registry_app.command("show")
-def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -> None:
+def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash, or a prefix of it "
+                                                   "(4 or more characters) that only it has.")
+                  ) -> None:
     """Print a registered recipe (YAML) and its promotions."""
     db = read_registry()
+    recipe_hash = resolve_recipe_hash(db, recipe_hash)
     row = db.get_recipe(recipe_hash)
     promos = [p for p in db.promotions() if p.recipe_hash == recipe_hash]
     db.close()
@@ -56,7 +59,8 @@ def registry_show(recipe_hash: str = typer.Argument(..., help="Recipe hash.")) -
 
 @registry_app.command("promote")
 def registry_promote(
-    recipe_hash: str = typer.Argument(..., help="Recipe hash (it must be registered)."),
+    recipe_hash: str = typer.Argument(..., help="Recipe hash (it must be registered), or a "
+                                      "prefix of it (4 or more characters) that only it has."),
     reason: str = typer.Option(..., "--reason", help="Why (recorded)."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help="HF checkpoint dir."),
     campaign_id: str | None = typer.Option(None, "--campaign"),
@@ -68,8 +72,7 @@ def registry_promote(
     from registry.db import RegistryError
 
     db = open_registry()
-    if db.get_recipe(recipe_hash) is None:
-        fail(f"no recipe {recipe_hash!r} in the registry")
+    recipe_hash = resolve_recipe_hash(db, recipe_hash)
     try:
         pid = db.promote(recipe_hash=recipe_hash, candidate=candidate, checkpoint=checkpoint,
                          campaign_id=campaign_id, stage=stage,

@@ -252,6 +252,11 @@ def test_recipes(db):
     assert (r.hash, r.name, r.yaml) == (HASH_A, "base", "model: tiny\n")
     db.put_recipe(HASH_A, "base", "model: tiny\n")
     assert db.get_recipe(HASH_A) == r
+    # what a shortened hash resolves to (the CLI's prefixes), on SQLite and PostgreSQL alike
+    db.put_recipe("ab12" + HASH_A[4:], "other", "model: tiny\n")
+    assert db.recipe_hashes(HASH_A[:6]) == [HASH_A]
+    assert db.recipe_hashes("") == sorted([HASH_A, "ab12" + HASH_A[4:]])
+    assert db.recipe_hashes("%") == [] and db.recipe_hashes("zz") == []
 
 
 def test_runs(db, campaign):

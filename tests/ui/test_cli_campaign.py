@@ -308,3 +308,38 @@ def test_off_a_terminal_each_event_is_one_plain_line_with_names_whole():
         f"stage {stage}: promoted other",
         "stage next: failed — no candidate passed",
     ]
+
+
+def test_a_recipe_hash_prefix_names_the_recipe_it_alone_starts(tmp_path, monkeypatch):
+    """Tables print hashes shortened: `registry show` (SQLite read without SQLAlchemy) and
+    `registry promote` (RegistryDB) take a unique prefix of 4+ characters; an ambiguous, short
+    or unknown one is a one-line error naming the fix."""
+    from registry.db import RegistryDB
+
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("ASYNCRL_REGISTRY_URL", raising=False)
+    (tmp_path / "home").mkdir()
+    with RegistryDB() as db:
+        for h in ("abcd111111111111", "abcd222222222222", "ef01333333333333"):
+            db.put_recipe(h, f"r-{h[:4]}", "steps: 2\n")
+    res = runner.invoke(app, ["registry", "show", "EF01"])
+    assert res.exit_code == 0 and res.stdout.startswith("# recipe ef01333333333333 (r-ef01)")
+    res = runner.invoke(app, ["registry", "show", "abcd1"])
+    assert res.exit_code == 0 and "abcd111111111111" in res.stdout.splitlines()[0]
+    refused = {
+        "abcd": "recipe hash prefix 'abcd' matches abcd111111111111, abcd222222222222; give "
+                "more characters",
+        "abc": "no recipe 'abc' in the registry; give at least 4 characters of its hash "
+               "(`asyncrl registry list` shows the promoted ones)",
+        "ffff": "no recipe 'ffff' in the registry; `asyncrl registry list` shows the promoted "
+                "ones",
+        "ab%_": "no recipe 'ab%_' in the registry; `asyncrl registry list` shows the promoted "
+                "ones",
+    }
+    for text, message in refused.items():
+        res = runner.invoke(app, ["registry", "show", text])
+        assert (res.exit_code, res.stderr) == (1, f"error: {message}\n"), text
+    res = runner.invoke(app, ["registry", "promote", "abcd2", "--reason", "by hand"])
+    assert res.exit_code == 0 and res.stdout.strip().endswith(": abcd222222222222")
+    res = runner.invoke(app, ["registry", "promote", "abcd", "--reason", "by hand"])
+    assert res.exit_code == 1 and "matches abcd111111111111, abcd222222222222" in res.stderr
