@@ -1,7 +1,10 @@
 """The one local state directory (DESIGN.md "Services"): checkpoints, caches, logs, SQLite files.
 
-``ASYNCRL_HOME`` sets it; the default is ``.asyncrl`` under the current directory, so a user can
-see, back up or delete everything asyncrl wrote.
+``ASYNCRL_HOME`` sets it; the default is ``~/.asyncrl``, one per user: the registry of promoted
+recipes, MLflow's store and Prefect's database belong to the user, not to whichever directory a
+command runs from (a default under the current directory showed an empty registry from another
+directory, and made every new directory pay Prefect's database migrations again). Everything
+asyncrl writes is under it, so a user can see, back up or delete it.
 """
 
 from __future__ import annotations
@@ -11,15 +14,35 @@ import tempfile
 from pathlib import Path
 
 ENV_VAR = "ASYNCRL_HOME"
+LEGACY_DIR = ".asyncrl"  # the default before it moved to the user's home, under the cwd
 
 
 class StateDirError(OSError):
     """The state directory cannot be created or written; the message is one line with the fix."""
 
 
+def default_state_path() -> Path:
+    """The state directory without ``ASYNCRL_HOME``: ``~/.asyncrl``."""
+    return (Path.home() / ".asyncrl").resolve()
+
+
 def state_path() -> Path:
     """Where the state directory is (not created: for configuring other tools)."""
-    return Path(os.environ.get(ENV_VAR, ".asyncrl")).expanduser().resolve()
+    env = os.environ.get(ENV_VAR, "").strip()
+    return Path(env).expanduser().resolve() if env else default_state_path()
+
+
+def legacy_state_note() -> str | None:
+    """A one-line note when ``ASYNCRL_HOME`` is unset and the current directory holds a state
+    directory of the old default (``./.asyncrl``) that is not the one in use: its campaigns and
+    registry are not read unless the user points ``ASYNCRL_HOME`` at it."""
+    if os.environ.get(ENV_VAR, "").strip():
+        return None
+    old = Path(LEGACY_DIR).resolve()
+    if not old.is_dir() or old == default_state_path():
+        return None
+    return (f"note: {old} holds state of an older asyncrl (the default was ./.asyncrl); this "
+            f"command uses {default_state_path()} — set {ENV_VAR}={old} to keep using it")
 
 
 def state_dir() -> Path:

@@ -298,6 +298,7 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
         return
     from flows.tracking import Tracker, default_tracking_uri, redact_uri, where_to_look
     from registry.db import default_url
+    from training.paths import state_path
 
     # soft_wrap: whole lines, never folded at 80 columns in a log file
     console.print(f"campaign [bold]{outcome.campaign_id}[/]: {outcome.status} — "
@@ -322,7 +323,8 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
     link = Tracker(uri).run_url(outcome.mlflow_run_id) if outcome.mlflow_run_id else None
     console.print(f"where to look: `asyncrl campaign status {outcome.campaign_id}`; "
                   f"{where_to_look(uri)}" + (f" (this campaign: {link})" if link else "")
-                  + f"; registry: {redact_uri(default_url())}", soft_wrap=True)
+                  + f"; registry: {redact_uri(default_url())}; state: {state_path()}",
+                  soft_wrap=True)
     if link:
         console.print(f"MLflow run: {link}", soft_wrap=True)
     if flow_run_url:

@@ -43,7 +43,13 @@ def main(
         help="Print the asyncrl version and exit.",
     ),
 ) -> None:
-    """asyncrl command line."""
+    """asyncrl command line. State (registry, MLflow, Prefect, runs, caches) lives in
+    $ASYNCRL_HOME, default ~/.asyncrl."""
+    from training.paths import legacy_state_note
+
+    note = legacy_state_note()
+    if note:
+        typer.echo(note, err=True)
 
 
 @algorithms_app.command("list")

@@ -79,3 +79,38 @@ def test_read_only_state_dir_is_one_line(tmp_path: Path, args: list[str]) -> Non
     line = _check_one_line(res, time.monotonic() - t0, home)
     assert "Read-only file system" in line or "not writable" in line
     assert list(home.iterdir()) == []  # nothing half-written
+
+
+def test_the_default_state_directory_is_the_users_wherever_a_command_runs(tmp_path, monkeypatch):
+    """Without $ASYNCRL_HOME, state is ~/.asyncrl from any directory (it was ./.asyncrl of the
+    current one: another directory showed an empty registry); a ./.asyncrl of an older asyncrl
+    is named in a one-line note on stderr, with how to keep using it."""
+    from typer.testing import CliRunner
+
+    from training.paths import legacy_state_note, state_path
+    from ui.cli import app
+
+    user = tmp_path / "user"
+    user.mkdir()
+    monkeypatch.setenv("HOME", str(user))
+    monkeypatch.delenv("ASYNCRL_HOME", raising=False)
+    monkeypatch.delenv("ASYNCRL_REGISTRY_URL", raising=False)
+    for where in (tmp_path / "a", tmp_path / "b"):
+        where.mkdir()
+        monkeypatch.chdir(where)
+        assert state_path() == user / ".asyncrl"
+        assert legacy_state_note() is None
+    (tmp_path / "b" / ".asyncrl").mkdir()  # state of an older asyncrl in this directory
+    note = legacy_state_note()
+    assert note == (f"note: {tmp_path / 'b' / '.asyncrl'} holds state of an older asyncrl (the "
+                    f"default was ./.asyncrl); this command uses {user / '.asyncrl'} — set "
+                    f"ASYNCRL_HOME={tmp_path / 'b' / '.asyncrl'} to keep using it")
+    res = CliRunner().invoke(app, ["campaign", "list", "--json"])
+    assert res.exit_code == 0 and res.stdout.strip() == "[]"
+    assert res.stderr == note + "\n"
+    monkeypatch.chdir(user)  # the user's own home: ./.asyncrl is the default, no note
+    (user / ".asyncrl").mkdir()
+    assert legacy_state_note() is None
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "b" / ".asyncrl"))
+    monkeypatch.chdir(tmp_path / "b")
+    assert legacy_state_note() is None and state_path() == tmp_path / "b" / ".asyncrl"
