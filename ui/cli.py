@@ -310,6 +310,7 @@ app.add_typer(schema_app, name="schema")
 def _register_platform_commands() -> None:
     from ui.campaign_cli import register as register_campaign
     from ui.gates_cli import register as register_gates
+    from ui.gc_cli import register as register_gc
     from ui.registry_cli import register as register_registry
     from ui.services_cli import register as register_services
     from ui.validate_cli import register as register_validate
@@ -319,6 +320,7 @@ def _register_platform_commands() -> None:
     register_gates(app)
     register_services(app)
     register_validate(app)
+    register_gc(app)
 
 
 _register_platform_commands()
