@@ -8,6 +8,7 @@ key). Writing it never stops a campaign: a Prefect API that refuses it is a warn
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -34,8 +35,14 @@ def task_run_name(verb: str) -> Callable[[], str]:
 
 
 def artifact_key(campaign_id: str, stage: str) -> str:
-    """Prefect's artifact keys are lowercase letters, digits and dashes."""
-    return re.sub(r"[^a-z0-9-]+", "-", f"{campaign_id}-{stage}".lower()).strip("-")
+    """``<campaign id>-<stage>`` in what Prefect's artifact keys allow (lowercase letters, digits,
+    dashes); when that changed the name, a short hash of the original keeps two stages whose
+    names differ only there (``a.b``, ``a_b``) apart."""
+    raw = f"{campaign_id}-{stage}"
+    key = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
+    if key != raw:
+        key += "-" + hashlib.sha256(raw.encode()).hexdigest()[:6]
+    return key
 
 
 def _num(x: float | None) -> str:
@@ -70,12 +77,13 @@ def stage_report(stage: str, outcomes: Sequence[CandidateOutcome],
     return "\n".join(out) + "\n"
 
 
-def publish_stage_report(campaign_id: str, stage: str, markdown: str) -> None:
-    """Attach ``markdown`` to the running flow run as the artifact :func:`artifact_key`."""
+def publish_stage_report(campaign_id: str, stage: str, markdown: Callable[[], str]) -> None:
+    """Attach ``markdown()`` to the running flow run as the artifact :func:`artifact_key`
+    (built inside the guard: a report that cannot be made is a warning too)."""
     from prefect.artifacts import create_markdown_artifact
 
     try:
-        create_markdown_artifact(markdown, key=artifact_key(campaign_id, stage),
+        create_markdown_artifact(markdown(), key=artifact_key(campaign_id, stage),
                                  description=f"campaign {campaign_id}, stage {stage}: gate "
                                              "verdicts and the promotion")
     except Exception as e:  # the report is for people; the campaign goes on without it

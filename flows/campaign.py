@@ -547,7 +547,7 @@ class _Flow:
                 break
         winner, why = _choose(stage, outcomes)
         ladder.outcome.gate_notes += gate_notes(stage.name, outcomes, stopped=winner is None)
-        publish_stage_report(self.campaign_id, stage.name, stage_report(
+        publish_stage_report(self.campaign_id, stage.name, lambda: stage_report(
             stage.name, outcomes, winner,
             _promotion_reason(stage, winner, why) if winner is not None else why))
         ladder.plot_stages.append(PlotStage(stage.name, [
@@ -625,6 +625,11 @@ class _Flow:
             outcome.verdict = (f"all {len(self.campaign.stages)} stages promoted; champion: "
                                f"{last}/{outcome.promoted[last].candidate}")
             self.db.set_campaign_status(self.campaign_id, "finished", verdict=outcome.verdict)
+        last = next(reversed(outcome.promoted), None)  # also after a resume that trained none
+        self.parent.set_tags({
+            "asyncrl.verdict": outcome.verdict[:4000],
+            **({TAG_CHAMPION: f"{last}/{outcome.promoted[last].candidate}"} if last else {}),
+            **{f"asyncrl.promoted.{s}": p.candidate for s, p in outcome.promoted.items()}})
         self.parent.set_tags({TAG_DESCRIPTION: "\n".join(
             [f"campaign {self.campaign_id} ({self.campaign.name}): {outcome.status} — "
              f"{outcome.verdict}"]

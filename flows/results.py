@@ -181,6 +181,8 @@ def recorded_gate_notes(db: Any, campaign_id: str) -> list[GateNote]:
     order = {st.name: st.index for st in db.stages(campaign_id)}
     notes = []
     for run in sorted(db.runs(campaign_id), key=lambda r: (order.get(r.stage, 0), r.id)):
+        if run.candidate.startswith("reference-"):  # a re-run reference is not a candidate
+            continue
         for g in db.gate_results(run.id):
             if (run.stage in failed_stages and not g.passed) or (g.passed and g.value is None):
                 notes.append(GateNote(run.stage, run.candidate, g.name, g.passed, g.value,

@@ -297,7 +297,10 @@ class Tracker:
             if exp.lifecycle_stage == "deleted":
                 self.client.restore_experiment(exp.experiment_id)
             if EXPERIMENT_KIND[0] not in exp.tags:  # made by an older asyncrl; a user's wins
-                self.client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+                try:
+                    self.client.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+                except Exception as e:  # only how MLflow's UI opens it; tracking goes on
+                    log.warning("MLflow experiment %s: kind tag not set (%s)", name, e)
             return exp.experiment_id
         location = None
         if self.artifact_root:
@@ -484,13 +487,17 @@ class Tracker:
             mv = self.client.create_model_version(
                 name, source, run_id=run_id, tags={"asyncrl.checkpoint_dir": str(ckpt)})
             version = str(mv.version)
-        if description:
-            self.client.update_model_version(name, version, description=description)
-        for key, value in (tags or {}).items():
-            self.client.set_model_version_tag(name, version, str(key), str(value))
         for alias in aliases:
             self.client.set_registered_model_alias(name, re.sub(r"[^\w\-]", "-", alias),
                                                    version)
+        try:  # what the version says of itself: never at the cost of the aliases above
+            if description:
+                self.client.update_model_version(name, version, description=description)
+            for key, value in (tags or {}).items():
+                self.client.set_model_version_tag(name, version, str(key), str(value))
+        except Exception as e:
+            log.warning("MLflow model %s version %s: description/tags not set (%s)", name,
+                        version, e)
         return version
 
     @_tolerant("run_url")

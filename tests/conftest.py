@@ -24,6 +24,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -252,3 +253,14 @@ def services_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         for entry in json.loads(record.read_text()).values():
             if services_cli._is_ours(entry):
                 services_cli._stop_groups([entry["pgid"]], grace=5.0)
+
+
+@pytest.fixture(autouse=True)
+def _preflight_checked_afresh():
+    """``preflight`` remembers recipes that passed in this process (training/runtime/run.py);
+    a test that changes what the checks see (a faked install, another directory) must not
+    inherit a pass from an earlier test, so each test starts with none remembered."""
+    run = sys.modules.get("training.runtime.run")  # not imported here: it costs start-up
+    if run is not None:
+        run._PREFLIGHT_PASSED.clear()
+    yield

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -215,7 +216,7 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
     console = Console(stderr=as_json)
     state: dict[tuple[str, str], dict[str, Any]] = {}
     # a terminal gets the live table; a file, a pipe or CI one plain line per event
-    lines = None if console.is_terminal else _EventLines(console.file)
+    lines = None if console.is_interactive else _EventLines(console.file)
 
     with (Live(_live_table({}), console=console, refresh_per_second=4, transient=False)
           if lines is None else contextlib.nullcontext()) as live:
@@ -296,16 +297,19 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
     if as_json is not None:
         typer.echo(json.dumps(as_json, indent=2, default=str))
         return
+    from rich.markup import escape  # verdicts, evidence and paths may hold "[...]"
+
     from flows.tracking import Tracker, default_tracking_uri, redact_uri, where_to_look
     from registry.db import default_url
     from training.paths import state_path
 
     # soft_wrap: whole lines, never folded at 80 columns in a log file
-    console.print(f"campaign [bold]{outcome.campaign_id}[/]: {outcome.status} — "
-                  f"{outcome.verdict}", soft_wrap=True)
+    console.print(f"campaign [bold]{escape(outcome.campaign_id)}[/]: {outcome.status} — "
+                  f"{escape(outcome.verdict)}", soft_wrap=True)
     for stage, p in outcome.promoted.items():
         console.print(f"  {stage}: promoted {p.candidate} (recipe {p.recipe_hash}, MLflow "
-                      f"version {p.mlflow_version}) → {p.checkpoint}", soft_wrap=True)
+                      f"version {p.mlflow_version}) → {p.checkpoint}", soft_wrap=True,
+                      markup=False)
     for n in outcome.gate_notes:
         where = f"  {n.stage}/{n.candidate}: {n.gate}"
         if n.passed:  # no value: too little data, so the pass says nothing
@@ -318,17 +322,17 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
     if outcome.diagnosis:
         for f in outcome.diagnosis.get("findings", []):
             console.print(f"  cause {f.get('cause')}: {f.get('title')} — {f.get('evidence')}; "
-                          f"fix: {f.get('fix')}", soft_wrap=True)
+                          f"fix: {f.get('fix')}", soft_wrap=True, markup=False)
     uri = default_tracking_uri()
     link = Tracker(uri).run_url(outcome.mlflow_run_id) if outcome.mlflow_run_id else None
     console.print(f"where to look: `asyncrl campaign status {outcome.campaign_id}`; "
                   f"{where_to_look(uri)}" + (f" (this campaign: {link})" if link else "")
                   + f"; registry: {redact_uri(default_url())}; state: {state_path()}",
-                  soft_wrap=True)
+                  soft_wrap=True, markup=False)
     if link:
-        console.print(f"MLflow run: {link}", soft_wrap=True)
+        console.print(f"MLflow run: {link}", soft_wrap=True, markup=False)
     if flow_run_url:
-        console.print(f"Prefect flow run: {flow_run_url}", soft_wrap=True)
+        console.print(f"Prefect flow run: {flow_run_url}", soft_wrap=True, markup=False)
 
 
 @campaign_app.command("launch")
@@ -463,6 +467,7 @@ def _deployment_json(outcome: CampaignOutcome, flow_run_id: str,
     return {"campaign_id": outcome.campaign_id, "status": outcome.status,
             "verdict": outcome.verdict, "diagnosis": outcome.diagnosis,
             "flow_run_id": flow_run_id, "flow_run_url": flow_run_url,
+            "gate_notes": [dataclasses.asdict(n) for n in outcome.gate_notes],
             "promoted": {stage: {"candidate": p.candidate, "recipe_hash": p.recipe_hash,
                                  "checkpoint": p.checkpoint, "mlflow_version": p.mlflow_version}
                          for stage, p in outcome.promoted.items()}}

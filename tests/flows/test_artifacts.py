@@ -37,8 +37,10 @@ def test_the_stage_report_lists_every_run_and_gate():
 
 
 def test_artifact_keys_are_what_prefect_accepts():
-    assert artifact_key("Seed_Ladder-20261128-abc", "one step/2") == \
-        "seed-ladder-20261128-abc-one-step-2"
+    key = artifact_key("Seed_Ladder-20261128-abc", "one step/2")
+    assert key.startswith("seed-ladder-20261128-abc-one-step-2-") and len(key) == 42
+    assert artifact_key("c-1", "a.b") != artifact_key("c-1", "a_b")  # not one key for two
+    assert artifact_key("e2e-1", "async") == "e2e-1-async"  # kept as is when allowed
 
 
 def test_the_last_lines_show_failed_gates_with_margins_and_passes_without_a_value():

@@ -55,7 +55,11 @@ def test_off_a_terminal_the_launch_reports_each_event_on_one_line(launched):
              if re.match(r"\d\d:\d\d:\d\d ", line)]  # not the libraries' log lines
     assert lines[0].startswith("warm start: train ") and "warm start: done" in lines
     run = lines[lines.index("warm start: done") + 1:]
-    assert run[:2] == ["stage only: running", f"only/default: running (recipe {run[1][-17:-1]})"]
+    from registry.db import RegistryDB
+
+    with RegistryDB() as db:  # the fixture's state directory is still in force
+        rhash = db.get_run(campaign_id="first-1", stage="only", candidate="default").recipe_hash
+    assert run[:2] == ["stage only: running", f"only/default: running (recipe {rhash})"]
     assert [line.split(",")[0] for line in run[2:4]] == ["only/default: step 1/2",
                                                          "only/default: step 2/2"]
     assert run[4].startswith("only/default: passed (reward ")

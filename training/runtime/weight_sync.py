@@ -209,7 +209,7 @@ class NcclSync(ParameterSync):
             self._group = None
             self._init_group(ray)
             try:
-                report: PushReport = ray.get(self.trainer.push_weights_nccl.remote(version))
+                report = ray.get(self.trainer.push_weights_nccl.remote(version))
             except ray.exceptions.RayTaskError as e:
                 raise SyncError(f"NCCL weight sync to version {version} failed: "
                                 f"{first_line(e)}") from None

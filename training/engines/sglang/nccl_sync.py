@@ -51,8 +51,9 @@ import httpx
 from training.engines.rollout import weight_version_label
 
 __all__ = [
-    "NcclSyncError", "NcclWeightSync", "TrainerNcclPusher", "bucket_by_bytes", "hf_weights_of",
-    "init_group_payload", "new_weight_group", "update_payload",
+    "NcclSyncError", "NcclWeightSync", "PushReport", "TrainerNcclPusher", "WeightGroup",
+    "bucket_by_bytes", "hf_weights_of", "init_group_payload", "new_weight_group",
+    "update_payload",
 ]
 
 DEFAULT_GROUP = "asyncrl_weight_sync"
