@@ -14,8 +14,10 @@ import re
 from collections.abc import Callable, Sequence
 
 from flows.results import CandidateOutcome
+from registry.gates import GateResult
 
-__all__ = ["artifact_key", "publish_stage_report", "stage_report", "task_run_name"]
+__all__ = ["artifact_key", "gate_report_html", "publish_stage_report", "stage_report",
+           "task_run_name"]
 
 log = logging.getLogger("asyncrl.campaign")
 
@@ -75,6 +77,28 @@ def stage_report(stage: str, outcomes: Sequence[CandidateOutcome],
             out.append(f"| `{g.name}` | {'pass' if g.passed else '**fail**'} | "
                        f"{_num(g.value)} | {_num(g.threshold)} | {evidence} |")
     return "\n".join(out) + "\n"
+
+
+def gate_report_html(title: str, gates: Sequence[GateResult], passed: bool) -> str:
+    """One run's gate verdicts as a self-contained HTML table (MLflow's artifact viewer shows it
+    as a table; ``gate_report.json`` stays the record): gate, verdict, value, limit, the steps
+    judged, the evidence."""
+    from html import escape
+
+    rows = "".join(
+        f"<tr class='{'pass' if g.passed else 'fail'}'><td><code>{escape(g.name)}</code></td>"
+        f"<td>{'pass' if g.passed else '<b>FAIL</b>'}</td><td>{_num(g.value)}</td>"
+        f"<td>{_num(g.threshold)}</td>"
+        f"<td>{'—' if g.window is None else f'{g.window[0]}–{g.window[1]}'}</td>"
+        f"<td>{escape(g.evidence)}</td></tr>" for g in gates)
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>" + escape(title) + "</title>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}"
+        "tr.fail{background:#fde8e8}</style></head><body>"
+        f"<h2>{escape(title)}: {'passed' if passed else 'FAILED'}</h2><table>"
+        "<tr><th>gate</th><th>verdict</th><th>value</th><th>limit</th><th>steps</th>"
+        f"<th>evidence</th></tr>{rows}</table></body></html>\n")
 
 
 def publish_stage_report(campaign_id: str, stage: str, markdown: Callable[[], str]) -> None:

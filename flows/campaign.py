@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import flow, tags, task
 
-from flows.artifacts import publish_stage_report, stage_report, task_run_name
+from flows.artifacts import gate_report_html, publish_stage_report, stage_report, task_run_name
 from flows.events import (
     CampaignEvent,
     CandidateEvent,
@@ -259,11 +259,15 @@ def judge(*, run: TrainedRun, gates: list[GateSpec],
     run_dir = Path(run.run_dir)
     atomic_write_text(run_dir / "gate_report.json",
                       json.dumps(report.to_file(), indent=2, default=str))
+    where_name = "/".join(str((where or {}).get(k, "")) for k in ("stage", "candidate"))
+    atomic_write_text(run_dir / "gate_report.html",
+                      gate_report_html(f"gates of {where_name or run_dir.name}", results, passed))
     with RegistryDB(registry_url) as db:
         db.record_gate_results(run.run_id, [r.to_dict() for r in results])
     if mlflow_run_id:
         tracker = Tracker(tracking_uri)
         tracker.log_dict(mlflow_run_id, report.to_file(), "gate_report.json")
+        tracker.log_artifact_file(mlflow_run_id, run_dir / "gate_report.html")
         tracker.set_tags(mlflow_run_id, {"asyncrl.gates_passed": str(passed).lower(),
                                          "asyncrl.samples_trained": str(trained)})
         plots_due(run_dir, mlflow_run_id)

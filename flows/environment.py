@@ -12,8 +12,10 @@ the services from here before Prefect, MLflow or Ray is imported. Values the use
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 from training.paths import state_path
 
@@ -40,6 +42,11 @@ def configure() -> None:
     starts. Must run before ``prefect`` is imported; a warning says so when it is too late."""
     for key, value in prefect_defaults().items():
         os.environ.setdefault(key, value)
+    # Prefect makes its home at import without its parents: on a first use (no ~/.asyncrl yet)
+    # it warned "Failed to create the Prefect home directory"; a state directory that cannot be
+    # made is reported by the command in one line (require_state_dir), not here
+    with contextlib.suppress(OSError):
+        Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # MLflow: no telemetry, no "git not found" warning on every run
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

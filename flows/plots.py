@@ -80,9 +80,16 @@ def _figure(nrows: int = 1, ncols: int = 1, figsize: tuple[float, float] = FIGSI
     return fig, axes
 
 
+def _legend(ax: Any, fontsize: float = 8, ncol: int = 1) -> Any:
+    """The legend beside the axes (right of them), never on the data; :func:`_save` keeps it in
+    the image (``bbox_inches="tight"``)."""
+    return ax.legend(fontsize=fontsize, ncol=ncol, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                     borderaxespad=0.0, frameon=False)
+
+
 def _save(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
+    fig.savefig(path, dpi=DPI, format="png", bbox_inches="tight")
     return path
 
 
@@ -110,7 +117,7 @@ def _lines(path: Path, title: str, ylabel: str,
     ax.set_xlabel("trainer step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -180,7 +187,7 @@ def _is_weights(m: Mapping[str, Series], out: Path) -> Path | None:
             ax.plot(xs, ys, label=source, color=colors[source], lw=1.5)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
     axes[0][0].set_title("Importance weights per mismatch source")
     axes[-1][0].set_xlabel("trainer step")
     return _save(fig, out / "is_weights.png")
@@ -214,7 +221,7 @@ def _staleness(m: Mapping[str, Series], out: Path) -> Path | None:
         ax.set_xlabel("trainer step")
         ax.set_ylabel("policy versions behind")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
     return _save(fig, out / "staleness.png")
 
 
@@ -287,7 +294,7 @@ def campaign_plot(stages: Sequence[PlotStage], out_path: str | Path) -> Path | N
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].set_title("Campaign: reward per candidate by stage "
                          "(thick = promoted, dashed = failed gates)")
-    axes[0][0].legend(fontsize=7, ncol=2)
+    _legend(axes[0][0], fontsize=7)
     bottom = axes[1][0]
     bottom.set_xlim(0, max(len(stages), 1))
     bottom.set_xticks([i + 0.5 for i in range(len(stages))])

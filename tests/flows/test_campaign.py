@@ -100,6 +100,10 @@ def test_promotions_follow_the_gates(campaign_run):
     report = json.loads((Path(runs[("async", "one-step")].run_dir) / "gate_report.json")
                         .read_text())
     assert report["passed"] is False
+    html = (Path(runs[("async", "one-step")].run_dir) / "gate_report.html").read_text()
+    assert "<h2>gates of async/one-step: FAILED</h2>" in html
+    assert "<tr class='fail'><td><code>staleness_within_bound</code></td><td><b>FAIL</b></td>" \
+           "<td>1</td><td>0</td>" in html
     db.close()
 
 
@@ -152,7 +156,7 @@ def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
         arts = [a.path for a in client.list_artifacts(child.info.run_id, "plots")]
         assert any(p.endswith(".png") for p in arts)
         top = [a.path for a in client.list_artifacts(child.info.run_id)]
-        assert "gate_report.json" in top
+        assert "gate_report.json" in top and "gate_report.html" in top  # a table to read
     champion = client.get_model_version_by_alias(model_name("e2e"), "champion")
     staged = client.get_model_version_by_alias(model_name("e2e"), "stage-async")
     assert champion.version == staged.version

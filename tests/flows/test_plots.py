@@ -83,3 +83,25 @@ def test_campaign_plot(tmp_path):
     no_data = [PlotStage("s", [PlotCandidate("c", [], passed=False, promoted=False)])]
     assert campaign_plot(no_data, tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_legends_sit_beside_the_data_and_stay_in_the_image(tmp_path):
+    """A legend inside the axes covered the curves: it is placed right of the axes, and the
+    saved PNG is widened to hold it."""
+    from flows.plots import _figure, _legend, _save
+
+    fig, axes = _figure()
+    ax = axes[0][0]
+    ax.plot(range(10), range(10), label="a rather long series name")
+    legend = _legend(ax)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    assert legend.get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+    out = _save(fig, tmp_path / "p.png")
+    import struct
+
+    width = struct.unpack(">I", out.read_bytes()[16:20])[0]
+    assert width > fig.get_figwidth() * fig.dpi  # the legend made the image wider
