@@ -118,6 +118,18 @@ class _EventLines:
             self.line(f"warm start: {text}")
 
 
+def _flow_run_url(api: str, flow_run_id: Any) -> str:
+    """The flow run's page in the Prefect UI: Prefect's own ``url_for`` (its UI URL setting,
+    right for Prefect Cloud too), else the local server's layout under ``api``."""
+    from prefect.utilities.urls import url_for
+
+    try:
+        url = url_for("flow-run", obj_id=str(flow_run_id))
+    except Exception:  # an unexpected setting: the local layout below
+        url = None
+    return url or api.rstrip("/").removesuffix("/api") + f"/runs/flow-run/{flow_run_id}"
+
+
 def _stop(live: Any) -> None:
     """Stop the live table (nothing to stop off a terminal)."""
     if live is not None:
@@ -282,8 +294,7 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
         finally:
             cflow.EVENT_LISTENERS.remove(on_event)
     prefect_api = up_api or os.environ.get("PREFECT_API_URL", "").strip()
-    flow_run_url = (prefect_api.rstrip("/").removesuffix("/api")
-                    + f"/runs/flow-run/{flow_state.state_details.flow_run_id}"
+    flow_run_url = (_flow_run_url(prefect_api, flow_state.state_details.flow_run_id)
                     if prefect_api else None)  # none for Prefect's temporary server
     _print_outcome(console, outcome, outcome.to_json() if as_json else None,
                    flow_run_url=flow_run_url)
@@ -405,7 +416,7 @@ def _run_deployment(path: Path, campaign_id: str, name: str, as_json: bool, deta
                   + " (or pass --deployment-name)")
     run = run_deployment(full, parameters={"campaign_path": str(Path(path).resolve()),
                                            "campaign_id": campaign_id}, timeout=0)
-    ui = api.rstrip("/").removesuffix("/api") + f"/runs/flow-run/{run.id}"
+    ui = _flow_run_url(api, run.id)
     console = Console(stderr=as_json)
     console.print(f"submitted campaign [bold]{campaign_id}[/] to deployment '{full}': "
                   f"flow run {run.name} ({ui})")
