@@ -52,12 +52,12 @@ def _num(x: float | None) -> str:
 
 
 def stage_report(stage: str, outcomes: Sequence[CandidateOutcome],
-                 winner: CandidateOutcome | None, reason: str) -> str:
-    """The stage as markdown: one row per run (every seed) with its verdict, rollout reward,
-    eval and failed gates; then each run's gates (value, limit, verdict, evidence); then the
-    promotion and its reason (or that nothing passed)."""
+                 winner: CandidateOutcome | None, reason: str, description: str = "") -> str:
+    """The stage as markdown: its description, the promotion and its reason (or that nothing
+    passed), one row per run (every seed) with its verdict, rollout reward, eval and failed
+    gates, then each run's gates (value, limit, verdict, evidence)."""
     runs = [s for o in outcomes for s in o.all_seeds]
-    out = [f"# Stage `{stage}`", "",
+    out = [f"# Stage `{stage}`", "", *([description, ""] if description else []),
            f"**Promoted:** `{winner.candidate}` (recipe `{winner.recipe_hash}`): {reason}"
            if winner is not None else f"**No candidate passed its gates.** {reason}".rstrip(),
            "", "| run | verdict | rollout reward | eval | failed gates |",

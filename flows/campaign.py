@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -330,6 +331,22 @@ def model_name(campaign_name: str) -> str:
 # --- the flow -----------------------------------------------------------------------------------
 
 
+def _run_description(stage: Stage, run: str) -> str:
+    """What a run is for, from the campaign file (its MLflow description): the stage's and the
+    candidate's ``description`` (a seed ``<candidate>.s<j>`` is its candidate's; a re-run
+    reference says which stage it re-runs)."""
+    base = re.sub(r"\.s\d+$", "", run)  # seed_name's suffix
+    lines = [f"stage {stage.name}" + (f": {stage.description}" if stage.description else "")]
+    if base.startswith("reference-"):
+        lines.append(f"{run}: the promoted recipe of stage {base.removeprefix('reference-')}, "
+                     "re-run at this stage's start and length (rerun_reference)")
+    else:
+        cand = next((c for c in stage.candidates if c.name == base), None)
+        lines.append(f"candidate {run}" + (f": {cand.description}" if cand is not None
+                                            and cand.description else ""))
+    return "\n".join(lines)
+
+
 def _promotion_reason(stage: Stage, winner: CandidateOutcome, why: str) -> str:
     """Why ``winner`` is promoted, in words: the rule, its gates, the data it saw, its eval and
     (best_eval) how it compares with the other passing candidates."""
@@ -553,7 +570,8 @@ class _Flow:
         ladder.outcome.gate_notes += gate_notes(stage.name, outcomes, stopped=winner is None)
         publish_stage_report(self.campaign_id, stage.name, lambda: stage_report(
             stage.name, outcomes, winner,
-            _promotion_reason(stage, winner, why) if winner is not None else why))
+            _promotion_reason(stage, winner, why) if winner is not None else why,
+            description=stage.description))
         ladder.plot_stages.append(PlotStage(stage.name, [
             PlotCandidate(s.candidate, read_metrics(s.run.metrics_path),
                           passed=s.report.passed, promoted=s is winner)
@@ -661,6 +679,7 @@ class _Flow:
         child = self.parent.candidate_run(campaign_id=self.campaign_id, stage=stage.name,
                                           candidate=name, recipe=recipe, recipe_hash=rhash,
                                           mode=recipe.mode)
+        child.set_tags({TAG_DESCRIPTION: _run_description(stage, name)})
         _emit(self.events, CandidateEvent(stage.name, name, "running", recipe_hash=rhash))
         run = run_candidate(campaign_id=self.campaign_id, stage=stage.name, candidate=name,
                             recipe_hash=rhash, recipe=recipe,

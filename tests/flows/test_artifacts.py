@@ -70,3 +70,18 @@ def test_the_last_lines_show_failed_gates_with_margins_and_passes_without_a_valu
     assert "  s/a: eval_not_degraded failed: value 0.25, limit 0.4, margin -0.15 — eval " \
            "[0.25] fell" in lines
     assert lines[-1] == "Prefect flow run: http://127.0.0.1:4200/runs/flow-run/abc"
+
+
+def test_a_runs_mlflow_description_comes_from_the_campaign_file():
+    from flows.campaign import _run_description
+    from registry.campaign import Stage
+
+    st = Stage.model_validate({"name": "s", "description": "what s establishes", "candidates": [
+        {"name": "v1.scale", "description": "tries v1"}, {"name": "plain"}]})
+    assert _run_description(st, "v1.scale") == "stage s: what s establishes\ncandidate v1.scale: " \
+                                               "tries v1"
+    assert _run_description(st, "v1.scale.s2").endswith("candidate v1.scale.s2: tries v1")
+    assert _run_description(st, "plain").endswith("\ncandidate plain")
+    assert _run_description(st, "reference-a.s1").endswith(
+        "reference-a.s1: the promoted recipe of stage a, re-run at this stage's start and length "
+        "(rerun_reference)")

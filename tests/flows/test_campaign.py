@@ -26,8 +26,10 @@ CAMPAIGN = {
          "candidates": [
              {"name": "one-step", "overrides": {"async": {"mode": "one_step"},
                                                 "algorithm": {"old_logprob": "snapshot"}}},
-             {"name": "sync", "overrides": {"optim": {"lr": 1e-5}}},
+             {"name": "sync", "overrides": {"optim": {"lr": 1e-5}},
+              "description": "stay synchronous at a lower learning rate"},
          ],
+         "description": "one step of lag, or none",
          "gates": [{"name": "staleness_within_bound", "params": {"max_staleness": 0}},
                    {"name": "logprob_diff_flat", "relative_to": "baseline",
                     "params": {"max_ratio": 5.0}}]},
@@ -170,6 +172,10 @@ def test_mlflow_runs_metrics_artifacts_and_aliases(campaign_run):
     promoted = {r.data.tags["asyncrl.candidate"] for r in children
                 if r.data.tags.get("asyncrl.promoted") == "true"}
     assert promoted == {"default", "sync"}
+    # each run says what it is for (the campaign file's descriptions)
+    assert sync_run.data.tags["mlflow.note.content"] == (
+        "stage async: one step of lag, or none\n"
+        "candidate sync: stay synchronous at a lower learning rate")
     parent = client.get_run(parents[0].info.run_id)
     assert parent.data.tags["asyncrl.champion"] == "async/sync"
     assert parent.data.tags["mlflow.note.content"].startswith(
@@ -349,6 +355,7 @@ def test_prefect_shows_the_campaign_by_name_with_tagged_tasks_and_stage_reports(
     assert set(arts) == {"e2e-1-baseline", "e2e-1-async", "e2e-stop-only"}
     assert all(a.type == "markdown" for a in arts.values())
     md = arts["e2e-1-async"].data
+    assert md.splitlines()[2] == "one step of lag, or none"  # the stage's description
     assert "**Promoted:** `sync` (recipe `" in md and "first_passing: passed 2 gates" in md
     assert "| `one-step` | rejected |" in md and "| `sync` | promoted |" in md
     row = next(line for line in md.splitlines()
