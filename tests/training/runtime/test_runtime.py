@@ -159,8 +159,8 @@ def test_fully_async_tool_trajectories_end_to_end(ray_session, tmp_path):
     assert rows[-1]["async/rollouter/tool_calls"] > 0
     # a trajectory partial rollout cut is cut inside a turn, between turns, or both. Whether a
     # sync finds samples mid-generation here depends on the machine (on CI's, once, none did
-    # in 6 steps); test_partial_rollout.py's test_tool_trajectories_cut_by_syncs places its
-    # syncs while the server decodes and requires cuts
+    # in 6 steps); test_tool_rollout.py's test_tool_trajectories_across_syncs places its syncs
+    # while the server decodes and requires cuts inside and between turns
     for r in rows:
         cuts = r["tool/partial_within_turn"] + r["tool/partial_between_turns"]
         assert r["async/partial_samples"] <= cuts <= 2 * r["async/partial_samples"]

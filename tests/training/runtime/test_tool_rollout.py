@@ -192,5 +192,11 @@ def test_tool_trajectories_across_syncs(tool_ckpt, tmp_path, interrupt):
     seen = f"{len(multi)} trajectories with calls, {within} cut inside a turn, {between} between"
     assert within > 0, f"no sync caught a tool trajectory mid-turn ({seen})"
     assert between > 0, f"no trajectory went on under new weights after a tool call ({seen})"
+    # and the learner's own counts of it: each cut trajectory is cut inside a turn, between
+    # turns, or both (the end-to-end run in test_runtime.py checks these bounds per step)
+    partial = sum(s.spans_sync for s in samples)
+    assert m["async/partial_samples"] == partial > 0
+    cuts = m["tool/partial_within_turn"] + m["tool/partial_between_turns"]
+    assert partial <= cuts <= 2 * partial and m["tool/partial_within_turn"] > 0
     if interrupt == "abort_resume":
         assert stats["async/rollouter/resumed_requests"] > 0
