@@ -309,6 +309,7 @@ app.add_typer(schema_app, name="schema")
 
 def _register_platform_commands() -> None:
     from ui.campaign_cli import register as register_campaign
+    from ui.dashboard_cli import register as register_dashboard
     from ui.gates_cli import register as register_gates
     from ui.gc_cli import register as register_gc
     from ui.registry_cli import register as register_registry
@@ -321,6 +322,7 @@ def _register_platform_commands() -> None:
     register_services(app)
     register_validate(app)
     register_gc(app)
+    register_dashboard(app)
 
 
 _register_platform_commands()

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 HOST = "127.0.0.1"
 DEFAULT_PREFECT_PORT = 4200
 DEFAULT_MLFLOW_PORT = 5000
+DEFAULT_DASHBOARD_PORT = 8470
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
