@@ -264,3 +264,117 @@ def _preflight_checked_afresh():
     if run is not None:
         run._PREFLIGHT_PASSED.clear()
     yield
+
+
+# --- the dashboard in a real browser ------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+class Browser:
+    """Debian's chromium, headless, driven through Selenium by Debian's chromedriver (no browser
+    download). :meth:`open` loads a page and fails the test on any JavaScript error or failed
+    resource the page logged; :meth:`shot` saves a screenshot under ``out`` (the test's
+    artifacts) and, when ``ASYNCRL_SCREENSHOT_DIR`` is set, there too (how the docs' images are
+    made)."""
+
+    def __init__(self, driver, out: Path) -> None:
+        self.driver, self.out = driver, out
+
+    def errors(self) -> list[str]:
+        return [e["message"] for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
+
+    def open(self, url: str, wait_for: str | None = None, timeout: float = 30.0):
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        self.driver.get(url)
+        if wait_for:
+            WebDriverWait(self.driver, timeout).until(
+                lambda d: d.find_elements(By.CSS_SELECTOR, wait_for))
+        errors = self.errors()
+        assert not errors, f"{url}: the page logged errors: {errors}"
+        return self.driver
+
+    def shot(self, name: str, height: int | None = None) -> Path:
+        d = self.driver
+        if height is None:  # the whole page
+            height = int(d.execute_script("return document.documentElement.scrollHeight"))
+        d.set_window_size(1400, min(max(height, 600), 6000))
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / name
+        assert d.save_screenshot(str(path)), f"no screenshot {path}"
+        extra = os.environ.get("ASYNCRL_SCREENSHOT_DIR")
+        if extra:
+            Path(extra).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(extra) / name)
+        d.set_window_size(1400, 1000)
+        return path
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory: pytest.TempPathFactory):
+    """A :class:`Browser` for the session (quit at its end)."""
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(p)]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: install Debian's chromium and "
+                    "chromium-driver (the README's test command does)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,1000", "--no-first-run", "--disable-extensions"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    try:
+        yield Browser(driver, tmp_path_factory.mktemp("screenshots"))
+    finally:
+        driver.quit()
+
+
+@contextlib.contextmanager
+def _dashboard_server(home: Path, extra_args: tuple[str, ...] = ()):
+    """``python -m ui.dashboard`` on a free port reading ``home``'s registry, as ``asyncrl up``
+    starts it; yields its base URL and stops it (its process group, by PID) on exit."""
+    import time
+
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "ASYNCRL_HOME": str(home)}
+    for var in ("ASYNCRL_REGISTRY_URL", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+        env.pop(var, None)
+    log = open(Path(home) / "dashboard-test.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "ui.dashboard", "--port", str(port),
+                             *extra_args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            assert proc.poll() is None, (Path(home) / "dashboard-test.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the dashboard did not start within 90 s"
+            time.sleep(0.3)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def dashboard_server():
+    """The context manager above."""
+    return _dashboard_server

@@ -22,6 +22,7 @@ from typing import Any
 import typer
 
 from ui.common import (
+    DEFAULT_DASHBOARD_PORT,
     DEFAULT_MLFLOW_PORT,
     DEFAULT_PREFECT_PORT,
     HOST,
@@ -223,6 +224,10 @@ def service_spec(name: str, port: int, store: str | None = None) -> dict[str, An
                 "unset": [], "store": redact_uri(backend),
                 "health": f"{base}/health", "url": base,
                 "export": ("MLFLOW_TRACKING_URI", base), "option": "--mlflow-port"}
+    if name == "dashboard":
+        return {"command": [sys.executable, "-m", "ui.dashboard", "--port", str(port)],
+                "env": {}, "unset": [], "health": f"{base}/health", "url": base,
+                "export": None, "option": "--dashboard-port"}
     raise ValueError(f"unknown service {name!r}")
 
 
@@ -250,7 +255,7 @@ def _spawn(name: str, spec: dict[str, Any], port: int) -> dict[str, Any]:
             fail(f"cannot start the {name} server: {e}")
     return {"pid": proc.pid, "pgid": proc.pid, "proc_start": _start_ticks(proc.pid),
             "port": port, "url": spec["url"], "health": spec["health"],
-            "export": f"{spec['export'][0]}={spec['export'][1]}",
+            "export": f"{spec['export'][0]}={spec['export'][1]}" if spec["export"] else None,
             "command": spec["command"], "log": str(log_path),
             **({"store": spec["store"]} if spec.get("store") else {}),
             "started_at": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -297,6 +302,10 @@ def up(
                                     help="Port of the MLflow server (tracking API and UI)."),
     no_prefect: bool = typer.Option(False, "--no-prefect", help="Do not start Prefect."),
     no_mlflow: bool = typer.Option(False, "--no-mlflow", help="Do not start MLflow."),
+    dashboard_port: int = typer.Option(DEFAULT_DASHBOARD_PORT, "--dashboard-port",
+                                       help="Port of the asyncrl dashboard."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard",
+                                      help="Do not start the dashboard."),
     mlflow_store: str | None = typer.Option(
         None, "--mlflow-backend-store-uri", metavar="URI",
         help="The store the MLflow server serves, e.g. postgresql://user:pass@host:5432/db "
@@ -305,15 +314,20 @@ def up(
              "$ASYNCRL_HOME/mlflow/artifacts either way."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds to wait for each server."),
 ) -> None:
-    """Start the local Prefect server and MLflow server in the background on 127.0.0.1 (state
-    under $ASYNCRL_HOME, logs in $ASYNCRL_HOME/logs); `asyncrl down` stops them. MLflow serves
-    a database store (SQLite by default, or PostgreSQL: --mlflow-backend-store-uri)."""
+    """Start the local Prefect server, MLflow server and asyncrl dashboard in the background on
+    127.0.0.1 (state under $ASYNCRL_HOME, logs in $ASYNCRL_HOME/logs); `asyncrl down` stops
+    them. MLflow serves a database store (SQLite by default, or PostgreSQL:
+    --mlflow-backend-store-uri); the dashboard links to both."""
     wanted = {n: p for n, p, off in (("prefect", prefect_port, no_prefect),
-                                     ("mlflow", mlflow_port, no_mlflow)) if not off}
+                                     ("mlflow", mlflow_port, no_mlflow),
+                                     ("dashboard", dashboard_port, no_dashboard)) if not off}
     if not wanted:
-        fail("nothing to start: drop --no-prefect or --no-mlflow")
-    if len(wanted) == 2 and prefect_port == mlflow_port:
-        fail(f"--prefect-port and --mlflow-port are both {prefect_port}; choose two ports")
+        fail("nothing to start: drop --no-prefect, --no-mlflow or --no-dashboard")
+    ports: dict[int, str] = {}
+    for name, port in wanted.items():
+        if port in ports:
+            fail(f"--{ports[port]}-port and --{name}-port are both {port}; choose two ports")
+        ports[port] = name
     require_state_dir()
     record = _load_record()
     running: list[str] = []
@@ -337,7 +351,7 @@ def up(
         record.pop(name, None)  # a stale entry: the process is gone
         if not 0 < port < 65536:
             fail(f"port {port} is not a valid port; choose another with "
-                  f"{'--prefect-port' if name == 'prefect' else '--mlflow-port'}")
+                  f"--{name}-port")
         spec = service_spec(name, port, **extra)
         if not _port_free(port):
             fail(f"port {port} on {HOST} is already in use (wanted for {name}); choose another "
@@ -356,9 +370,11 @@ def up(
         how = "already running" if name in running else "started"
         store = f", store {e['store']}" if e.get("store") else ""
         typer.echo(f"{name}: {how} — UI {e['url']} (pid {e['pid']}, log {e['log']}{store})")
-    typer.echo("Point runs at them (in the shell that runs asyncrl):")
-    for name in wanted:
-        typer.echo(f"  export {record[name]['export']}")
+    exports = [record[n]["export"] for n in wanted if record[n].get("export")]
+    if exports:
+        typer.echo("Point runs at them (in the shell that runs asyncrl):")
+        for line in exports:
+            typer.echo(f"  export {line}")
     typer.echo("Stop them with `asyncrl down`.")
 
 

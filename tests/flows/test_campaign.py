@@ -362,3 +362,74 @@ def test_prefect_shows_the_campaign_by_name_with_tagged_tasks_and_stage_reports(
                if line.startswith("| `staleness_within_bound` | **fail**"))
     assert "| 1 | 0 |" in row  # one step stale, none allowed
     assert "**No candidate passed its gates.**" in arts["e2e-stop-only"].data
+
+
+def test_the_dashboard_in_a_browser(campaign_run, browser, dashboard_server):
+    """The campaign this module ran, as a researcher sees it in the dashboard (Debian's chromium,
+    headless): the list, the ladder with the failed gate and its evidence, the promoted candidate
+    marked, every link on the page answering, then the failed candidate's diagnostics — charts
+    drawn as SVG, the recipe diff, the diagnosis. A page that logs a JavaScript error fails.
+    Screenshots: the test's artifacts (and docs/images with ASYNCRL_SCREENSHOT_DIR)."""
+    import httpx
+    from selenium.webdriver.common.by import By
+
+    from registry.db import RegistryDB
+
+    home = campaign_run[0]
+    db = RegistryDB()
+    runs = {(r.stage, r.candidate): r for r in db.runs("e2e-1")}
+    db.close()
+    with dashboard_server(home) as url:
+        d = browser.open(url + "/", wait_for="#campaigns")
+        rows = {r.find_element(By.CSS_SELECTOR, "td a").text: r.text
+                for r in d.find_elements(By.CSS_SELECTOR, "#campaigns tbody tr")}
+        assert set(rows) == {"e2e-1", "e2e-stop"}
+        assert "finished" in rows["e2e-1"] and "async/sync" in rows["e2e-1"]
+        assert "stopped" in rows["e2e-stop"]
+
+        d = browser.open(f"{url}/campaign/e2e-1", wait_for=".cell")
+        failed = d.find_element(By.CSS_SELECTOR, ".cell[data-candidate='one-step']")
+        assert "failed" in failed.get_attribute("class").split()
+        gate = failed.find_element(By.CSS_SELECTOR, "tr.gate.fail")
+        assert gate.get_attribute("data-gate") == "staleness_within_bound"
+        cells = [td.text for td in gate.find_elements(By.TAG_NAME, "td")]
+        assert cells[2:] == ["1", "0", "1"]  # value, limit, margin
+        evidence = failed.find_element(By.CSS_SELECTOR, "tr.evidence.fail").text
+        assert "peaked at 1" in evidence
+        promoted = d.find_element(By.CSS_SELECTOR, ".cell[data-candidate='sync']")
+        assert "promoted" in promoted.get_attribute("class").split()
+        assert "★ promoted" in promoted.text and "first_passing" in promoted.text
+        assert len(d.find_elements(By.CSS_SELECTOR, ".cell.promoted")) == 2  # one per stage
+        hrefs = {a.get_attribute("href") for a in d.find_elements(By.CSS_SELECTOR, "a[href]")}
+        assert f"{url}/campaign/e2e-1/run/{runs[('async', 'one-step')].id}" in hrefs
+        for href in hrefs:  # the run pages, run directories and navigation all answer
+            assert httpx.get(href, timeout=60).status_code == 200, href
+        browser.shot("dashboard-ladder.png")
+
+        one_step = runs[("async", "one-step")]
+        d = browser.open(f"{url}/campaign/e2e-1/run/{one_step.id}", wait_for=".chart .main-svg")
+        charts = d.find_elements(By.CSS_SELECTOR, ".chart")
+        assert len(charts) >= 8
+        for chart in charts:  # each drew an SVG with its data traces
+            assert chart.find_elements(By.CSS_SELECTOR, "svg.main-svg"), \
+                chart.get_attribute("id")
+            assert chart.find_elements(By.CSS_SELECTOR, ".scatterlayer .trace, .barlayer .trace"), \
+                chart.get_attribute("id")
+        ids = {c.get_attribute("id") for c in charts}
+        assert {"chart-logprob", "chart-staleness", "chart-entropy", "chart-reward",
+                "chart-is-engine-ess", "chart-is-staleness-mask_frac"} <= ids
+        legend = d.find_element(By.ID, "chart-logprob").text
+        assert "one-step" in legend and "sync" in legend and "reference" in legend
+        diff = {tr.find_element(By.TAG_NAME, "code").text: tr.text
+                for tr in d.find_elements(By.CSS_SELECTOR, "#recipe-diff tbody tr")}
+        assert '"sync" "one_step"' in diff["async.mode"]
+        assert "promoted checkpoint" in diff["model"]
+        assert d.find_elements(By.CSS_SELECTOR, "#diagnosis .finding")
+        browser.shot("dashboard-diagnostics.png")
+        assert not browser.errors()
+
+        # a run the registry does not know: a page that says so, not a traceback
+        r = httpx.get(f"{url}/campaign/e2e-1/run/999999", timeout=30)
+        assert r.status_code == 404 and "has no run 999999" in r.text
+        r = httpx.get(f"{url}/run/e2e-1/{one_step.id}/files/../../../registry.db", timeout=30)
+        assert r.status_code == 404

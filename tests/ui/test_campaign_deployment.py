@@ -84,8 +84,9 @@ def test_deployment_needs_a_server(tmp_path: Path, env: dict[str, str]) -> None:
 def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str]) -> None:
     path = tmp_path / "deploytest.yaml"
     path.write_text(yaml.safe_dump(CAMPAIGN))
-    port = free_port()
-    up = _cli(["up", "--no-mlflow", "--prefect-port", str(port), "--timeout", "180"], env)
+    port, dash = free_port(), free_port()
+    up = _cli(["up", "--no-mlflow", "--prefect-port", str(port), "--dashboard-port", str(dash),
+               "--timeout", "180"], env)
     assert up.returncode == 0, up.stdout + up.stderr
     env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     serve = None
@@ -142,6 +143,10 @@ def test_launch_through_a_served_deployment(tmp_path: Path, env: dict[str, str])
         assert len(arts) == 1 and "**Promoted:** `default`" in arts[0]["data"]
         dep = httpx.get(f"{api}/deployments/{fr['deployment_id']}", timeout=30).json()
         assert dep["name"] == "deploytest"
+        # the dashboard `up` started beside Prefect: the campaign's ladder links its flow run
+        page = httpx.get(f"http://127.0.0.1:{dash}/campaign/dep-1", timeout=30)
+        assert page.status_code == 200 and "★ promoted" in page.text
+        assert f'href="{out["flow_run_url"]}"' in page.text
     finally:
         _stop_serving_and_down(serve, env)
 
@@ -157,7 +162,8 @@ def test_interval_schedule_fires_and_a_scheduled_run_finishes_a_campaign(
     path = tmp_path / "deploytest.yaml"
     path.write_text(yaml.safe_dump(CAMPAIGN))
     port = free_port()
-    up = _cli(["up", "--no-mlflow", "--prefect-port", str(port), "--timeout", "180"], env)
+    up = _cli(["up", "--no-mlflow", "--no-dashboard", "--prefect-port", str(port), "--timeout",
+               "180"], env)
     assert up.returncode == 0, up.stdout + up.stderr
     api = env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     serve = None

@@ -42,7 +42,7 @@ def _one_error_line(result) -> str:
 @pytest.mark.slow
 def test_up_mlflow_then_down(cli, services_home: Path) -> None:
     port = free_port()
-    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    r = runner.invoke(cli, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port", str(port)])
     assert r.exit_code == 0, r.output
     assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{port}" in r.stdout
     record = json.loads((services_home / "services.json").read_text())
@@ -55,7 +55,8 @@ def test_up_mlflow_then_down(cli, services_home: Path) -> None:
     assert services_cli.answers(f"http://127.0.0.1:{port}/health")
     assert os.getpgid(pid) == pid  # its own process group: `down` signals only that
 
-    again = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    again = runner.invoke(cli, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port",
+                                str(port)])
     assert again.exit_code == 0, again.output
     assert "already running" in again.stdout
     assert json.loads((services_home / "services.json").read_text())["mlflow"]["pid"] == pid
@@ -90,7 +91,8 @@ def test_up_busy_port(cli, services_home: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+        r = runner.invoke(cli, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port",
+                                str(port)])
     line = _one_error_line(r)
     assert str(port) in line and "--mlflow-port" in line
     assert not (services_home / "services.json").exists()
@@ -105,7 +107,8 @@ def test_up_server_exits_early(cli, services_home: Path, monkeypatch: pytest.Mon
         return spec
 
     monkeypatch.setattr(services_cli, "service_spec", failing)
-    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(free_port())])
+    r = runner.invoke(cli, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port",
+                            str(free_port())])
     line = _one_error_line(r)
     assert "exited" in line and str(services_home / "logs" / "mlflow-server.log") in line
     assert "boom" in (services_home / "logs" / "mlflow-server.log").read_text()
@@ -113,7 +116,37 @@ def test_up_server_exits_early(cli, services_home: Path, monkeypatch: pytest.Mon
 
 
 def test_up_nothing_to_start(cli, services_home: Path) -> None:
-    _one_error_line(runner.invoke(cli, ["up", "--no-prefect", "--no-mlflow"]))
+    line = _one_error_line(runner.invoke(cli, ["up", "--no-prefect", "--no-mlflow",
+                                               "--no-dashboard"]))
+    assert "nothing to start" in line
+
+
+def test_up_same_port_twice(cli, services_home: Path) -> None:
+    line = _one_error_line(runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", "5999",
+                                               "--dashboard-port", "5999"]))
+    assert "--mlflow-port and --dashboard-port are both 5999" in line
+
+
+def test_up_dashboard_then_down(cli, services_home: Path) -> None:
+    """`up` starts the dashboard (`python -m ui.dashboard`) in its own process group; it
+    answers its health URL and its campaign list; `down` stops exactly it."""
+    import httpx
+
+    port = free_port()
+    r = runner.invoke(cli, ["up", "--no-prefect", "--no-mlflow", "--dashboard-port", str(port)])
+    assert r.exit_code == 0, r.output
+    assert f"dashboard: started — UI http://127.0.0.1:{port}" in r.stdout
+    assert "export" not in r.stdout  # nothing to point runs at
+    entry = json.loads((services_home / "services.json").read_text())["dashboard"]
+    pid = entry["pid"]
+    assert os.getpgid(pid) == pid
+    page = httpx.get(f"http://127.0.0.1:{port}/", timeout=30)
+    assert page.status_code == 200 and "No campaigns in the registry" in page.text
+    assert not (services_home / "registry.db").exists()  # it only reads: nothing created
+    r = runner.invoke(cli, ["down"])
+    assert r.exit_code == 0 and "dashboard: stopped" in r.stdout, r.output
+    assert not services_cli._group_alive(pid)
+    assert not services_cli.answers(f"http://127.0.0.1:{port}/health")
 
 
 # --- deploy -------------------------------------------------------------------------------------
@@ -233,7 +266,7 @@ def test_links_resolve_on_a_running_mlflow_server(cli, services_home: Path, two_
 
     a, b = two_runs
     port = free_port()
-    r = runner.invoke(cli, ["up", "--no-prefect", "--mlflow-port", str(port)])
+    r = runner.invoke(cli, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port", str(port)])
     assert r.exit_code == 0, r.output
     uri = f"http://127.0.0.1:{port}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
