@@ -117,7 +117,7 @@ AUTO = "auto"
 
 _RUN_FIELDS = ("status", "run_dir", "mlflow_run_id", "summary")
 _GATE_COLUMNS = ("name", "passed", "value", "threshold", "window_start", "window_end",
-                 "evidence", "params")
+                 "evidence", "params", "noise")
 _MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 # Alembic's ``context``/``op`` are process-wide proxies: two migrations running at once in one
 # process would send each other's DDL to the wrong connection. Across processes the database
@@ -665,7 +665,8 @@ class RegistryDB:
     def record_gate_results(self, run_id: int, results: list[dict]) -> None:
         """Replace a run's gate results with ``results`` (idempotent). Each dict: ``name``,
         ``passed``, and optionally ``value``, ``threshold`` (numbers; NaN is stored as None),
-        ``window`` ((start_step, end_step) or None), ``evidence`` and ``params`` (JSON values)."""
+        ``window`` ((start_step, end_step) or None), ``evidence`` and ``params`` (JSON values),
+        ``noise`` (the value's standard error, a number or None)."""
         rows = []
         names = set()
         for i, r in enumerate(results):
@@ -691,6 +692,7 @@ class RegistryDB:
                 window_end=None if end is None else int(end),
                 evidence=_json_dump(r.get("evidence"), f"gate {name!r} evidence"),
                 params=_json_dump(r.get("params"), f"gate {name!r} params"),
+                noise=_float(r.get("noise"), f"gate {name!r} noise"),
             ))
         with self._write() as s:
             if s.get(CandidateRunRow, int(run_id)) is None:

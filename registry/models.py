@@ -16,6 +16,7 @@ Tables:
 - ``gate_results``: one stability-gate verdict for one run, with its evidence.
 - ``promotions``: a recipe (and checkpoint) promoted by a campaign stage or by hand, and its
   retirement.
+- ``gate_results.noise``: the standard error behind a gate's noise floor (revision 0004).
 - ``campaign_owners``: the one process running a campaign now (revision 0003; see
   ``registry.ownership``).
 """
@@ -157,6 +158,7 @@ class GateResultRow(Base):
     window_end: Mapped[int | None] = mapped_column(Integer, nullable=True)
     evidence: Mapped[str | None] = mapped_column(Text, nullable=True)
     params: Mapped[str | None] = mapped_column(Text, nullable=True)
+    noise: Mapped[float | None] = mapped_column(Float, nullable=True)  # revision 0004
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -48,7 +48,7 @@ DEFAULT_FILE = "registry.db"
 #: The newest migration in ``registry/migrations/versions`` (:func:`head_revision` asks Alembic;
 #: ``tests/registry`` checks the two agree, so a new migration must update this). A database
 #: that records exactly this revision opens without Alembic.
-SCHEMA_HEAD = "0003"
+SCHEMA_HEAD = "0004"
 
 
 
@@ -193,6 +193,9 @@ class GateRecord(_Record):
     evidence: Any
     params: dict[str, Any] | None
     """The gate's evidence (text or JSON data) and the parameters it ran with."""
+    noise: float | None
+    """The standard error of ``value`` the gate's noise floor is built from (None when the gate
+    has no noise model, or for results recorded before revision 0004)."""
     created_at: str
     """When the result was recorded (ISO-8601, UTC)."""
 
@@ -306,6 +309,7 @@ def gate_record(g: Any) -> GateRecord:
         window=window,
         evidence=_json_load(g.evidence),
         params=_json_load(g.params),
+        noise=getattr(g, "noise", None),
         created_at=_iso(g.created_at),
     )
 

@@ -92,6 +92,9 @@ class GateResult:
     window: first and last step of the points ``value`` was computed over.
     evidence: one sentence with the numbers, for a report.
     params: the parameters the gate ran with (defaults filled in).
+    noise: the standard error of ``value`` that the gate's noise floor is built from, where the
+        gate has a noise model (the reward, eval and |Δlogp| gates), so (value − threshold) /
+        noise is the margin in noise units; ``None`` otherwise.
     """
 
     name: str
@@ -101,6 +104,7 @@ class GateResult:
     window: tuple[int, int] | None
     evidence: str
     params: dict[str, Any]
+    noise: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the window as a list, non-finite numbers as ``None``."""
@@ -112,6 +116,7 @@ class GateResult:
             "window": list(self.window) if self.window is not None else None,
             "evidence": self.evidence,
             "params": dict(self.params),
+            "noise": _finite_or_none(self.noise),
         }
 
 
@@ -401,9 +406,9 @@ def gate(name: str) -> Callable[[GateFn], GateFn]:
 
 def result(name: str, p: GateParams, passed: bool, value: float | None,
             threshold: float | None, window: tuple[int, int] | None,
-            evidence: str) -> GateResult:
+            evidence: str, noise: float | None = None) -> GateResult:
     return GateResult(name=name, passed=passed, value=value, threshold=threshold,
-                      window=window, evidence=evidence, params=p.model_dump())
+                      window=window, evidence=evidence, params=p.model_dump(), noise=noise)
 
 
 def not_enough(name: str, p: Any, n: int, what: str, need: int) -> GateResult:

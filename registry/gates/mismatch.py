@@ -168,14 +168,14 @@ def judge_mismatch(name: str, key: str, label: str, run: Run, p: _MismatchParams
               f"max(({ref_txt} + {fmt(p.max_rise)}) × start {fmt(base)} = {fmt(allowed)}, "
               f"{fmt(p.t_limit)} × SE {fmt(tr.rise_se)} = {fmt(noise)}; {binds} binds), "
               f"t = {fmt(tr.t)}")
-    too_high, level_limit, level_txt = False, None, ""
+    too_high, level_limit, level_txt, level_se = False, None, "", None
     if lagged:
         level_txt = ""
     elif has_ref:
         se = diff_se(lv.se, _ref_se(reference, key))
         ratio_limit, noise_limit = p.max_ratio * ref, ref + p.z_limit * se
         level_limit = max(ratio_limit, noise_limit)
-        too_high = lv.mean > level_limit
+        too_high, level_se = lv.mean > level_limit, se
         z = (lv.mean - ref) / se if se > 0 else math.inf if lv.mean > ref else 0.0
         level_txt = (f"level {fmt(lv.mean)} (last {points(lv.n)}) vs the reference's "
                      f"{fmt(ref)}: {fmt(lv.mean - ref)} = {fmt(z)} SE, "
@@ -189,16 +189,18 @@ def judge_mismatch(name: str, key: str, label: str, run: Run, p: _MismatchParams
                       f"{fmt(p.max_level)}")
     if lagged:
         level_txt = _expected_level(run, p.tail) + level_txt
+    noise: float | None = tr.rise_se
     if growing:
         verdict, value, threshold, window = "is growing", tr.rise, rise_limit, whole
     elif too_high or over_abs:
         limit = level_limit if too_high else p.max_level
         verdict, value, threshold, window = "is too high", lv.mean, limit, span_of(tail)
+        noise = level_se if too_high else None
     else:
         verdict, value, threshold, window = "stayed flat", tr.rise, rise_limit, whole
     evidence = f"{label} {verdict}: {growth}; {level_txt}."
     return result(name, p, not (growing or too_high or over_abs), value, threshold, window,
-                  evidence)
+                  evidence, noise=noise)
 
 
 @gate("logprob_diff_flat")

@@ -178,7 +178,8 @@ def _reward_not_collapsed(run: Run, p: RewardNotCollapsedParams,
                 f"{'>' if collapsed else '≤'} limit {fmt(limit)} = max({pct(p.drop)} × peak = "
                 f"{fmt(allowed)}, {z:.2f} SE = {fmt(noise)}; α {fmt(p.alpha)} over {windows} "
                 f"windows, SE {fmt(se)} from the step-to-step spread; {binds} binds).")
-    return result(name, p, not collapsed, fall, limit, (peak_step, last_step), evidence)
+    return result(name, p, not collapsed, fall, limit, (peak_step, last_step), evidence,
+                  noise=se)
 
 
 @gate("eval_tracks_reward")
@@ -201,7 +202,7 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
     n0, n1 = _eval_n(run, s0), _eval_n(run, s1)
     clauses = []
     diverged = below_ref = False
-    value, limit = None, p.max_eval_drop
+    value, limit, noise = None, p.max_eval_drop, None
     if trend:
         k = min(p.smooth, max(1, len(rw) // 2))
         r_first, r_last = mean_of(rw[:k]), mean_of(rw[-k:])
@@ -209,10 +210,10 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
         se, fall_txt = _fall_text(e_first, e_last, n0, n1, "eval",
                                   paired_diff(run.evals.get(s0), run.evals.get(s1)))
         limit, limit_txt = _eval_limit(p.max_eval_drop, p.alpha, context.candidates, se)
-        value = e_first - e_last
+        value, noise = e_first - e_last, se
         diverged = rise > p.min_rise and value > limit
         if value > limit and not diverged:  # what decided is the reward, which did not rise
-            value, limit = rise, p.min_rise
+            value, limit, noise = rise, p.min_rise, None
         clauses.append(f"training reward {fmt(r_first)} → {fmt(r_last)} (change {rise:+.4g} "
                        f"{'>' if rise > p.min_rise else '≤'} {fmt(p.min_rise)}) while {fall_txt} "
                        f"{'>' if value > limit else '≤'} {limit_txt}")
@@ -229,11 +230,12 @@ def _eval_tracks_reward(run: Run, p: EvalTracksRewardParams,
         below_ref = ref - e_last > ref_limit
         clauses.append(f"{fall_txt} {'>' if below_ref else '≤'} {limit_txt}")
         if not diverged:  # the reference comparison is what decided
-            value, limit = ref - e_last, ref_limit
+            value, limit, noise = ref - e_last, ref_limit, se
     verdict = ("simplicity bias: " if diverged else "eval fell below the reference: "
                if below_ref else "eval tracks reward: ")
     evidence = verdict + "; ".join(clauses) + _difficulty_note(run) + "."
-    return result(name, p, not (diverged or below_ref), value, limit, span_of(ev), evidence)
+    return result(name, p, not (diverged or below_ref), value, limit, span_of(ev), evidence,
+                  noise=noise)
 
 
 @gate("eval_not_degraded")
@@ -252,7 +254,7 @@ def _eval_not_degraded(run: Run, p: EvalNotDegradedParams,
     degraded = first - last > limit
     evidence = (f"{'eval degraded' if degraded else 'eval held'}: {fall_txt} "
                 f"{'>' if degraded else '≤'} {limit_txt}{_difficulty_note(run)}.")
-    return result(name, p, not degraded, first - last, limit, (s0, s1), evidence)
+    return result(name, p, not degraded, first - last, limit, (s0, s1), evidence, noise=se)
 
 
 class ZeroVarianceGroupsParams(GateParams):

@@ -74,7 +74,7 @@ def test_migrations_create_every_table_at_head(db_url):
     db = RegistryDB(db_url)
     try:
         assert _tables(db_url) == TABLES | {"alembic_version"}
-        assert db.schema_revision() == head_revision() == "0003"
+        assert db.schema_revision() == head_revision() == "0004"
         columns = {c["name"] for c in inspect(db._engine).get_columns("promotions")}
         assert {"retired_at", "retired_by", "retire_reason", "recipe_hash"} <= columns
     finally:
@@ -309,7 +309,7 @@ def test_runs(db, campaign):
 GATES = [
     {"name": "mismatch_k3", "passed": True, "value": 0.004, "threshold": 0.01,
      "window": (40, 60), "evidence": "mean over the last 20 steps",
-     "params": {"metric": "mismatch/k3_kl", "agg": "mean"}},
+     "params": {"metric": "mismatch/k3_kl", "agg": "mean"}, "noise": 0.002},
     {"name": "reward_up", "passed": False, "value": float("nan"), "threshold": 0.05,
      "window": None, "evidence": {"first": 0.39, "last": 0.40}, "params": None},
 ]
@@ -483,11 +483,11 @@ def test_reads_return_frozen_records_whose_to_dict_is_the_old_layout(db, campaig
     assert isinstance(g0, GateRecord) and isinstance(g1, GateRecord)
     _layout(g0, {"run_id": run_id, "name": "mismatch_k3", "passed": True, "value": 0.004,
                  "threshold": 0.01, "window": (40, 60), "evidence": "mean over the last 20 steps",
-                 "params": {"metric": "mismatch/k3_kl", "agg": "mean"},
+                 "params": {"metric": "mismatch/k3_kl", "agg": "mean"}, "noise": 0.002,
                  "created_at": g0.created_at})
     _layout(g1, {"run_id": run_id, "name": "reward_up", "passed": False, "value": None,
                  "threshold": 0.05, "window": None, "evidence": {"first": 0.39, "last": 0.40},
-                 "params": None, "created_at": g1.created_at})
+                 "params": None, "noise": None, "created_at": g1.created_at})
 
     p = db.promoted(campaign, "sync")
     assert isinstance(p, PromotionRecord)

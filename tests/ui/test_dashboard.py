@@ -67,7 +67,7 @@ def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     db.record_gate_results(bad, [{"name": "staleness_within_bound", "passed": False,
                                   "value": 1.0, "threshold": 0.0,
                                   "evidence": "async/staleness/max peaked at 1 > the bound 0",
-                                  "params": {"max_staleness": 0, "_noise": 0.25}}])
+                                  "params": {"max_staleness": 0}, "noise": 0.25}])
     db.close()
     yield tmp_path
 

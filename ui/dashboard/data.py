@@ -209,10 +209,8 @@ def campaign_views(db: Any) -> list[CampaignView]:
 
 def _gate_view(g: Any) -> GateView:
     evidence = g.evidence if isinstance(g.evidence, str) else json.dumps(g.evidence)
-    noise = (g.params or {}).get("_noise") if isinstance(g.params, dict) else None
     return GateView(name=g.name, passed=g.passed, value=g.value, threshold=g.threshold,
-                    evidence=evidence or "", window=g.window,
-                    noise=float(noise) if isinstance(noise, int | float) else None)
+                    evidence=evidence or "", window=g.window, noise=g.noise)
 
 
 # --- a run's files ------------------------------------------------------------------------------
