@@ -425,6 +425,15 @@ def test_the_dashboard_in_a_browser(campaign_run, browser, dashboard_server):
         assert '"sync" "one_step"' in diff["async.mode"]
         assert "promoted checkpoint" in diff["model"]
         assert d.find_elements(By.CSS_SELECTOR, "#diagnosis .finding")
+        # the rollouts the run kept: the step's largest-|Δlogp| and highest-reward trajectories,
+        # tokens coloured by |Δlogp| (the hottest full red), the staleness of each token shown
+        rollouts = d.find_elements(By.CSS_SELECTOR, "#rollouts .rollout")
+        assert len(rollouts) == 4  # 2 steps × 2 trajectories
+        assert "largest |Δlogp|" in rollouts[0].text and "highest reward" in rollouts[1].text
+        toks = rollouts[0].find_elements(By.CSS_SELECTOR, ".tok")
+        assert toks and all("staleness" in t.get_attribute("title") for t in toks)
+        shades = {t.value_of_css_property("background-color") for t in toks}
+        assert len(shades) > 1
         browser.shot("dashboard-diagnostics.png")
         assert not browser.errors()
 

@@ -114,7 +114,7 @@ from training.recipe import (
     SourceSpec,
 )
 from training.runtime.old_policy import OldPolicy, forward_routing, old_policy
-from training.runtime.types import Group, Sample
+from training.runtime.types import Group, RolloutTrace, Sample
 
 __all__ = [
     "AppliedCorrection",
@@ -164,6 +164,14 @@ class StepResult:
     time_s: float = 0.0
     events: tuple[str, ...] = ()
     """Lines for the run's log: what a reactive guard did this step (an LR halving)."""
+    traces: tuple[RolloutTrace, ...] = ()
+    """Up to :data:`TRACES_PER_STEP` of the step's trajectories with their per-token
+    diagnostics (:meth:`Learner._traces`), for the run's ``rollouts.jsonl``."""
+
+
+#: Trajectories a trained step hands back for people to read: the one with the largest
+#: train–rollout |Δlogp| on a loss token, and the highest-reward one (when another).
+TRACES_PER_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -689,13 +697,15 @@ class Learner:
             metrics.update(self._lag_metrics(packed, step, version_to_step))
         metrics["step/weight_version"] = float(self.engine.weight_version)
         debug = self._debug(packed, policies, rewards, advantages, correction, ref)
+        traces = self._traces(packed, policies, correction, start_version) if trained else ()
         if not trained:
             reason = (f"step {step}: every optimizer step was skipped (non-finite loss or "
                       "gradient norm); the weights are unchanged")
             log.warning(reason)
             return StepResult(False, reason, metrics, self.engine.weight_version, debug,
                               events=events)
-        return StepResult(True, None, metrics, self.engine.weight_version, debug, events=events)
+        return StepResult(True, None, metrics, self.engine.weight_version, debug, events=events,
+                          traces=traces)
 
     def _reject(self, reason: str, samples: Sequence[Sample], step: int) -> StepResult:
         log.warning("step %d: batch rejected, nothing trained: %s", step, reason)
@@ -1085,6 +1095,34 @@ class Learner:
         for v in set(versions[mask].tolist()):
             lag[versions == v] = float(step - version_to_step(int(v)))
         return tail_stats(lag, mask, prefix="old/token_lag_steps/")
+
+    def _traces(self, packed: _Packed, p: _Policies, corr: _Correction, start_version: int
+                ) -> tuple[RolloutTrace, ...]:
+        """:data:`TRACES_PER_STEP` trajectories of the batch: the one whose loss tokens have the
+        largest train–rollout |Δlogp|, then the highest-reward other one."""
+        mask = packed.batch.response_mask
+        gap = ((p.current - packed.rollout_log_prob).abs() * mask).detach()
+        worst = int(gap.max(dim=1).values.argmax())
+        best = max((i for i in range(len(packed.samples)) if i != worst),
+                   key=lambda i: packed.samples[i].reward, default=None)
+        picks = [(worst, "largest |Δlogp|")] + ([(best, "highest reward")] if best is not None
+                                                 else [])
+        out = []
+        for row, why in picks[:TRACES_PER_STEP]:
+            s = packed.samples[row]
+            n = len(s.response_ids)
+            w = corr.weights[row] if corr.weights is not None else None
+            weights = ([1.0] * n if w is None else w[:n].tolist() if w.dim()
+                       else [float(w)] * n)
+            out.append(RolloutTrace(
+                why=why, group_id=s.group_id, sample_index=s.sample_index,
+                prompt_ids=tuple(s.prompt_ids), response_ids=tuple(s.response_ids),
+                reward=float(s.reward), finish_reason=s.finish_reason, tool_calls=s.tool_calls,
+                dlogp=tuple(round(float(x), 5) for x in gap[row, :n].tolist()),
+                is_weight=tuple(round(float(x), 5) for x in weights),
+                staleness=tuple(start_version - int(v) for v in s.token_versions),
+                loss_mask=tuple(int(x) for x in s.loss_mask)))
+        return tuple(out)
 
     def _debug(self, packed: _Packed, p: _Policies, rewards: torch.Tensor,
                advantages: torch.Tensor, corr: _Correction, ref: torch.Tensor | None

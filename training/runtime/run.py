@@ -63,6 +63,7 @@ from training.runtime.checkpoint import (
 )
 from training.runtime.pipeline import staleness_metrics, step_of_version
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
+from training.runtime.traces import ROLLOUTS_FILE, append_traces, trace_every
 from training.runtime.types import Group, RolloutState, RunCounters, RunState
 from training.runtime.weight_sync import ParameterSync, SyncError, parameter_sync
 
@@ -323,6 +324,9 @@ class Runtime:
         if resume_state is not None:
             truncate_history(metrics_path, self.step)
             truncate_history(self.run_dir / EVAL_FILE, self.step)
+            truncate_history(self.run_dir / ROLLOUTS_FILE, self.step)
+        else:
+            (self.run_dir / ROLLOUTS_FILE).unlink(missing_ok=True)
         sink = MultiSink([JsonlSink(metrics_path, append=resume_state is not None),
                           *self.extra_sinks])
         interrupted = False
@@ -481,6 +485,8 @@ class Runtime:
         t2 = time.monotonic()
         for line in res.events:  # what a reactive guard did (an LR halving), for the run log
             log.warning("%s", line)
+        if res.traces and self.step % trace_every(self.total_steps) == 0:
+            append_traces(self.run_dir / ROLLOUTS_FILE, self.step, res.traces)
         metrics: dict[str, float] = dict(res.metrics)
         c = self.counters
         c.wait_time_s += t1 - t0

@@ -303,3 +303,26 @@ class RunState:
                    init_dir=str(data["init_dir"]), recipe_identity=str(data["recipe_identity"]),
                    recipe_hash=str(data.get("recipe_hash", "")),
                    total_steps=int(data.get("total_steps", data["step"])))
+
+
+@dataclass(frozen=True)
+class RolloutTrace:
+    """One trained trajectory kept for people to read (``rollouts.jsonl`` of the run; the
+    dashboard's Rollouts panel): its ids and reward, and per response token the train–rollout
+    gap |log π_current − log μ|, the IS weight the correction applied (1 without one), the
+    staleness (policy versions between the token's behaviour weights and the step's start) and
+    the loss mask (0 on a tool's observation tokens). ``why``: the reason it was picked
+    (``largest |Δlogp|`` or ``highest reward``)."""
+
+    why: str
+    group_id: int
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    reward: float
+    finish_reason: str
+    tool_calls: int
+    dlogp: tuple[float, ...]
+    is_weight: tuple[float, ...]
+    staleness: tuple[int, ...]
+    loss_mask: tuple[int, ...]

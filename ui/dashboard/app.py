@@ -157,6 +157,7 @@ def _env() -> Any:
     env.filters["duration"] = duration
     env.filters["tojson_safe"] = _script_json
     env.globals["POLL_MS"] = int(POLL_S * 1000)
+    env.globals["token_heat"] = token_heat
     return env
 
 
@@ -225,7 +226,7 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
         return page("_ladder.html", **ladder_ctx(load(campaign_id)))
 
     @app.get("/campaign/{campaign_id}/run/{run_id}", response_class=HTMLResponse)
-    def run(campaign_id: str, run_id: int) -> HTMLResponse:
+    def run(campaign_id: str, run_id: int, colour: str = "dlogp") -> HTMLResponse:
         view = load(campaign_id)
         focus = view.run(run_id)
         if focus is None:
@@ -248,9 +249,12 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
         charts = run_charts(curves)
         diagnosis = _diagnosis(focus, recipes.get(focus.recipe_hash), reference)
         diff = D.recipe_diff(base, recipes.get(focus.recipe_hash), base_hash)
+        rollouts = _rollouts(focus.run_dir)
+        by_weight = colour == "weight"
         return page("run.html", c=view, r=focus, stage=stage, charts=charts,
                     diagnosis=diagnosis, diff=diff, base_hash=base_hash,
-                    rollouts=_rollouts(focus.run_dir), mlflow=links.mlflow_run(
+                    rollouts=rollouts, by_weight=by_weight,
+                    colour_scale=_colour_scale(rollouts, by_weight), mlflow=links.mlflow_run(
                         focus.mlflow_run_id), prefect=links.prefect_flow_run(view.id),
                     reference=reference)
 
@@ -354,23 +358,31 @@ def _diagnosis(r: D.RunView, recipe: dict[str, Any] | None,
     return diagnosis_for(history, rec, summarize(ref_hist) if ref_hist else None)
 
 
-ROLLOUTS_FILE = "rollouts.jsonl"
-MAX_ROLLOUT_ROWS = 24
-
-
 def _rollouts(run_dir: str | None) -> list[dict[str, Any]]:
     """The sampled trajectories a run kept (``rollouts.jsonl``), newest steps first."""
     if not run_dir:
         return []
-    path = Path(run_dir) / ROLLOUTS_FILE
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
+    from training.runtime.traces import ROLLOUTS_FILE, read_traces
+
+    rows = read_traces(Path(run_dir) / ROLLOUTS_FILE)
     return sorted(rows, key=lambda r: -int(r.get("step", 0)))[:MAX_ROLLOUT_ROWS]
+
+
+MAX_ROLLOUT_ROWS = 24
+
+
+def token_heat(token: dict[str, Any], by_weight: bool) -> float:
+    """What a token is coloured by: its |Δlogp|, or its IS weight's distance from 1."""
+    v = token.get("w") if by_weight else token.get("d")
+    if not isinstance(v, int | float) or not math.isfinite(v):
+        return 0.0
+    return abs(v - 1.0) if by_weight else abs(v)
+
+
+def _colour_scale(rows: list[dict[str, Any]], by_weight: bool) -> float:
+    """The heat that is full red: the 99th percentile over the tokens shown (so the page's
+    contrast follows the run's own scale), at least 1e-6."""
+    heats = sorted(token_heat(k, by_weight) for r in rows for k in r["tokens"])
+    if not heats:
+        return 1.0
+    return max(heats[min(len(heats) - 1, int(0.99 * len(heats)))], 1e-6)

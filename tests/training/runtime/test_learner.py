@@ -764,3 +764,62 @@ def test_compute_log_probs_with_weights_moe_r2_needs_version():
     r2 = eng.compute_log_probs_with_weights(batch, w, routing="r2", r2_version=0)
     assert torch.allclose(r2.log_probs, free.log_probs, atol=1e-6)
     assert len(r2.routes) == batch.batch_size
+
+
+def test_traces_are_the_largest_gap_and_the_best_reward_with_their_token_values():
+    """The step's traces: the trajectory with the largest train–rollout |Δlogp| on a loss token
+    (μ perturbed by hand on one token of one sample), then the highest-reward other one; each
+    token's gap, IS weight and staleness as the learner saw them."""
+    eng = _engine()
+    learner = Learner(eng, _recipe({"old_logprob": "snapshot"}), keep_tensors=True)
+    assert learner.step(_groups(eng, seed=1), step=0).trained  # version 0 → 1
+    groups = _groups(eng, seed=2, first_id=10, rewards=[[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    samples = [s for g in groups for s in g.samples]
+    target = samples[2]
+    target.rollout_log_probs[1] -= 0.7  # a 0.7 gap on its second token
+    target.token_versions = [0] * target.response_len  # generated one version back
+    res = learner.step(groups, step=1)
+    assert res.trained and len(res.traces) == 2
+    worst, best = res.traces
+    assert (worst.why, worst.group_id, worst.sample_index) == ("largest |Δlogp|", 10, 2)
+    assert (best.why, best.group_id, best.sample_index, best.reward) == (
+        "highest reward", 11, 1, 1.0)
+    d = res.debug
+    row = 2
+    gap = (d["current_log_prob"][row] - d["rollout_log_prob"][row]).abs()
+    assert worst.dlogp == pytest.approx(gap[: target.response_len].tolist(), abs=1e-5)
+    assert worst.dlogp[1] == pytest.approx(0.7, abs=0.05)
+    assert worst.staleness == (1,) * target.response_len  # start version 1 − token version 0
+    assert best.staleness == (0,) * samples[4].response_len
+    assert worst.is_weight == (1.0,) * target.response_len  # no correction configured
+    assert worst.response_ids == tuple(target.response_ids)
+    assert worst.loss_mask == (1,) * target.response_len
+
+
+def test_trace_lines_are_bounded_and_readable(tmp_path):
+    from training.runtime.traces import (
+        MAX_TRACE_TOKENS,
+        append_traces,
+        read_traces,
+        trace_every,
+    )
+    from training.runtime.types import RolloutTrace
+
+    assert [trace_every(n) for n in (1, 100, 101, 1000)] == [1, 1, 2, 10]
+    n = MAX_TRACE_TOKENS + 3
+    t = RolloutTrace(why="highest reward", group_id=1, sample_index=0,
+                     prompt_ids=(1, 10, 11), response_ids=(12,) * (n - 1) + (2,), reward=1.0,
+                     finish_reason="stop", tool_calls=0, dlogp=(0.1,) * n, is_weight=(1.0,) * n,
+                     staleness=(0,) * n, loss_mask=(1,) * (n - 1) + (0,))
+    path = tmp_path / "rollouts.jsonl"
+    append_traces(path, 3, [t])
+    with open(path, "a") as f:
+        f.write('{"step": 4, "tok')  # a line cut by a kill
+    rows = read_traces(path)
+    assert len(rows) == 1 and rows[0]["step"] == 3
+    assert len(rows[0]["tokens"]) == MAX_TRACE_TOKENS and rows[0]["cut"] == 3
+    from training.tasks.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    assert rows[0]["prompt"] == tok.decode([1, 10, 11]) and rows[0]["prompt"]
+    assert rows[0]["tokens"][0] == {"t": tok.decode([12]), "d": 0.1, "w": 1.0, "s": 0, "obs": 0}
