@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -52,6 +53,7 @@ from flows.events import (
     CandidateEvent,
     EventFn,
     PromotedEvent,
+    RemediationEvent,
     StageEvent,
     StepEvent,
 )
@@ -357,6 +359,32 @@ def _promotion_reason(stage: Stage, winner: CandidateOutcome, why: str) -> str:
             + (f"; {why}" if stage.promotion == "best_eval" and why else ""))
 
 
+def _diagnose(o: CandidateOutcome) -> Any:
+    """Seed 001's decision tree on a judged run (:func:`registry.gates.diagnosis_for`): its own
+    recipe tailors the prescribed override to it; the reference it was judged against (the
+    baseline's summary) calibrates the tree's thresholds; its staleness bound is the lag."""
+    from registry.gates import diagnosis_for
+    from training.runtime.sinks import read_metrics
+
+    refs = o.report.judged_with.get("references") or {}
+    reference = next(iter(refs.values()), None)
+    lag = o.report.judged_with.get("context", {}).get("max_staleness")
+    lag = 1 if lag is None else lag  # unbounded staleness: at least one update of lag
+    return diagnosis_for(read_metrics(o.run.metrics_path), o.recipe, reference=reference,
+                         lag=lag)
+
+
+def _best_failing(outcomes: list[CandidateOutcome]) -> CandidateOutcome:
+    """The failing run a remediation starts from: the fewest failed gates, then the best final
+    eval, then the first listed."""
+    def key(io: tuple[int, CandidateOutcome]) -> tuple[int, float, int]:
+        i, o = io
+        ev = o.eval_reward
+        return (len(o.failed_gates), -(ev if ev is not None else -math.inf), i)
+
+    return min(enumerate(outcomes), key=key)[1]
+
+
 def _choose(stage: Stage, outcomes: list[CandidateOutcome]
             ) -> tuple[CandidateOutcome | None, str]:
     """The stage's winner by its promotion rule (:func:`registry.promotion.choose`: best_eval
@@ -567,6 +595,9 @@ class _Flow:
             if stage.promotion == "first_passing" and o.passed:
                 break
         winner, why = _choose(stage, outcomes)
+        if winner is None and stage.remediate is not None:
+            self.remediate(stage, outcomes, ref_summaries, ref_dirs)
+            winner, why = _choose(stage, outcomes)
         ladder.outcome.gate_notes += gate_notes(stage.name, outcomes, stopped=winner is None)
         publish_stage_report(self.campaign_id, stage.name, lambda: stage_report(
             stage.name, outcomes, winner,
@@ -585,24 +616,21 @@ class _Flow:
 
     def stop(self, index: int, stage: Stage, outcomes: list[CandidateOutcome],
              ladder: _Ladder) -> None:
-        """No candidate passed: the verdict, with the diagnosis of the last candidate's run."""
-        from registry.gates import diagnosis_for
-        from training.runtime.sinks import read_metrics
-
-        worst = outcomes[-1]
-        # the last candidate's own recipe tailors the prescribed override to it; the reference it
-        # was judged against (the baseline's summary) calibrates the tree's thresholds
-        refs = worst.report.judged_with.get("references") or {}
-        reference = next(iter(refs.values()), None)
-        lag = worst.report.judged_with.get("context", {}).get("max_staleness")
-        lag = 1 if lag is None else lag  # unbounded staleness: at least one update of lag
-        diagnosis = diagnosis_for(read_metrics(worst.run.metrics_path), worst.recipe,
-                                  reference=reference, lag=lag)
+        """No candidate passed: the verdict, with the diagnosis of the last candidate's run (the
+        last remediation attempt's, when the stage tried any) and every attempt's cause."""
+        diagnosis = _diagnose(outcomes[-1])
         diag = diagnosis.to_dict()  # the JSON edge: the registry record and verdict.json
         failed = "; ".join(f"{o.candidate}: " + ", ".join(o.failed_gates)
                            for o in outcomes)
-        verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed}); "
-                   f"diagnosis: {diagnosis.summary}")
+        attempts = self.db.remediations(self.campaign_id, stage.name)
+        remediation = ("; remediation: " + "; ".join(
+            (f"attempt {a.attempt} ({a.candidate} from {a.from_candidate}, cause {a.cause}: "
+             f"{a.title}) {a.status}" if a.candidate is not None else
+             f"attempt {a.attempt}: no remedy left for {a.from_candidate} (diagnosis: "
+             f"{(a.diagnosis or {}).get('summary', '')})") for a in attempts)
+            if attempts else "")
+        verdict = (f"stage {stage.name!r}: no candidate passed its gates ({failed})"
+                   f"{remediation}; diagnosis: {diagnosis.summary}")
         self.db.upsert_stage(self.campaign_id, stage.name, index, "failed")
         self.db.set_campaign_status(self.campaign_id, "stopped", verdict=verdict,
                                     diagnosis=diag)
@@ -611,6 +639,55 @@ class _Flow:
         ladder.outcome.status, ladder.outcome.verdict = "stopped", verdict
         ladder.outcome.diagnosis = diag
         _emit(self.events, StageEvent(stage.name, "failed", verdict=verdict))
+
+    def remediate(self, stage: Stage, outcomes: list[CandidateOutcome],
+                  ref_summaries: list[dict[str, dict[str, float]]],
+                  ref_dirs: list[dict[str, str]]) -> None:
+        """Every candidate failed: try the remedies the failing runs' diagnoses prescribe
+        (:mod:`registry.remediation`), each as candidate ``remedy-<k>`` on top of the last, up to
+        ``remediate.max_attempts``; their outcomes are appended to ``outcomes``. Each attempt is
+        recorded in the registry (cause, evidence, override, the diagnosis it came from) before
+        it trains and again with its verdict, and its MLflow run is tagged with it."""
+        from registry.remediation import FailedGate, propose, remedy_name
+
+        assert stage.remediate is not None
+        base = _best_failing([o for o in outcomes if not o.candidate.startswith("reference-")])
+        tried: list[str] = []
+        for attempt in range(1, stage.remediate.max_attempts + 1):
+            diagnosis = _diagnose(base)
+            failed = list({g.name: FailedGate(g.name, g.evidence) for s in base.all_seeds
+                           for g in s.report.gates if not g.passed}.values())
+            proposal = propose(diagnosis, failed, base.recipe, tried)
+            if proposal is None:
+                self.db.record_remediation(self.campaign_id, stage.name, attempt,
+                                           from_candidate=base.candidate, status="none",
+                                           diagnosis=diagnosis.to_dict())
+                _emit(self.events, RemediationEvent(stage.name, attempt, base.candidate, None))
+                return
+            remedy, recipe = proposal
+            name = remedy_name(attempt)
+            record = {"from_candidate": base.candidate, "candidate": name,
+                      "remedy": remedy.to_dict(), "diagnosis": diagnosis.to_dict()}
+            self.db.record_remediation(self.campaign_id, stage.name, attempt, status="running",
+                                       **record)
+            _emit(self.events, RemediationEvent(stage.name, attempt, base.candidate, name,
+                                                remedy.cause, remedy.title, remedy.override))
+            about = (f"remediation {attempt} of {base.candidate}: cause {remedy.cause} "
+                     f"({remedy.title}), proposed by {remedy.source}; override "
+                     + json.dumps(remedy.override, sort_keys=True))
+            runs = [self.train_and_judge(stage, seed_name(name, j), seeded(recipe, j),
+                                         references=ref_summaries[min(j, len(ref_summaries) - 1)],
+                                         reference_runs=ref_dirs[min(j, len(ref_dirs) - 1)],
+                                         about=about, remedy={"attempt": attempt, **record})
+                    for j in range(stage.seeds)]
+            o = dataclasses.replace(runs[0], more_seeds=tuple(runs[1:]))
+            outcomes.append(o)
+            self.db.record_remediation(self.campaign_id, stage.name, attempt,
+                                       status="passed" if o.passed else "failed", **record)
+            if o.passed:
+                return
+            tried.append(remedy.key)
+            base = o
 
     def promote(self, index: int, stage: Stage, winner: CandidateOutcome,
                 ladder: _Ladder, why: str = "") -> None:
@@ -670,16 +747,30 @@ class _Flow:
 
     def train_and_judge(self, stage: Stage, name: str, recipe: Recipe, *,
                         references: dict[str, dict[str, float]], reference_runs: dict[str, str],
-                        absolute_only: bool = False) -> CandidateOutcome:
+                        absolute_only: bool = False, about: str | None = None,
+                        remedy: dict[str, Any] | None = None) -> CandidateOutcome:
         """Train ``recipe`` as candidate ``name`` of the stage (a Prefect task, an MLflow child
         run, a registry row) and judge it on the stage's gates — only those without
-        ``relative_to`` when ``absolute_only`` (a reference re-run is the reference)."""
+        ``relative_to`` when ``absolute_only`` (a reference re-run is the reference).
+        ``about``: the run's description when it is not a listed candidate (a remediation);
+        ``remedy``: the remediation it runs, tagged on and logged with its MLflow run."""
         rhash = recipe.hash()
         self.db.put_recipe(rhash, recipe.name, recipe.to_yaml())
         child = self.parent.candidate_run(campaign_id=self.campaign_id, stage=stage.name,
                                           candidate=name, recipe=recipe, recipe_hash=rhash,
                                           mode=recipe.mode)
-        child.set_tags({TAG_DESCRIPTION: _run_description(stage, name)})
+        description = _run_description(stage, name)
+        if about is not None:
+            description = description.split("\n")[0] + f"\ncandidate {name}: {about}"
+        child.set_tags({TAG_DESCRIPTION: description})
+        if remedy is not None:
+            rem = remedy["remedy"]
+            child.set_tags({"asyncrl.remediation.attempt": str(remedy["attempt"]),
+                            "asyncrl.remediation.from": remedy["from_candidate"],
+                            "asyncrl.remediation.cause": str(rem["cause"]),
+                            "asyncrl.remediation.override": json.dumps(rem["override"],
+                                                                       sort_keys=True)[:4000]})
+            child.log_dict(remedy, "remediation.json")
         _emit(self.events, CandidateEvent(stage.name, name, "running", recipe_hash=rhash))
         run = run_candidate(campaign_id=self.campaign_id, stage=stage.name, candidate=name,
                             recipe_hash=rhash, recipe=recipe,

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from registry.gates import GateResult
 
-__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PromotedEvent", "StageEvent",
-           "StepEvent"]
+__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PromotedEvent", "RemediationEvent",
+           "StageEvent", "StepEvent"]
 
 
 @dataclass(frozen=True)
@@ -66,5 +66,29 @@ class PromotedEvent:
     candidate: str
 
 
-CampaignEvent = StageEvent | CandidateEvent | StepEvent | PromotedEvent
+@dataclass(frozen=True)
+class RemediationEvent:
+    """Every candidate of ``stage`` failed and it tries attempt ``attempt``: ``candidate`` (the
+    remedy's run; None when no remedy was left) starts from ``from_candidate`` with the seed's
+    ``cause`` and ``override``."""
+
+    stage: str
+    attempt: int
+    from_candidate: str
+    candidate: str | None
+    cause: str | None = None
+    title: str | None = None
+    override: Mapping[str, Any] | None = None
+
+    @property
+    def line(self) -> str:
+        if self.candidate is None:
+            return (f"stage {self.stage}: no remedy left for {self.from_candidate} "
+                    f"(attempt {self.attempt})")
+        keys = ", ".join(f"{k}={v}" for k, v in (self.override or {}).items())
+        return (f"stage {self.stage}: remediation {self.attempt} of {self.from_candidate}: "
+                f"cause {self.cause} ({self.title}) → {self.candidate} with {keys}")
+
+
+CampaignEvent = StageEvent | CandidateEvent | StepEvent | PromotedEvent | RemediationEvent
 EventFn = Callable[[CampaignEvent], None]

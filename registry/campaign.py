@@ -76,6 +76,7 @@ _MAX_STEPS = 1_000_000
 
 
 MAX_SEEDS = 16
+MAX_REMEDIATION_ATTEMPTS = 5
 
 
 def seed_name(candidate: str, j: int) -> str:
@@ -163,6 +164,16 @@ class Candidate(_Strict):
         return _check_name(v, "candidate name")
 
 
+class Remediate(_Strict):
+    """What a stage does when every candidate fails its gates (``registry.remediation``): the
+    diagnosis of the best failing run proposes the fix the seeds prescribe, as a recipe
+    override the stage runs as candidate ``remedy-<k>`` and judges with the same gates."""
+
+    max_attempts: YamlInt = Field(2, ge=1, le=MAX_REMEDIATION_ATTEMPTS, description=(
+        "Remedies to try, one after another, each on top of the last (seed 000 kept every fix); "
+        "the stage stops with every attempt's diagnosis when none passes."))
+
+
 class Stage(_Strict):
     """One rung of the ladder."""
 
@@ -191,6 +202,10 @@ class Stage(_Strict):
         "is the recipe with seed + j, named '<candidate>.s<j>', judged against the reference's "
         "seed j (or its only seed). A candidate passes only when it passes at every seed; "
         "best_eval compares the seeds' mean eval on their pooled eval/n."))
+    remediate: Remediate | None = Field(None, description=(
+        "When every candidate fails: run the fix the best failing run's diagnosis prescribes "
+        "(seed 001's A–F, seed 000's Fix 1–3) as new candidates remedy-1, remedy-2, …, judged "
+        "with the same gates and promotable (e.g. {max_attempts: 2}). None: stop the campaign."))
     rerun_reference: YamlBool = Field(False, description=(
         "Before the candidates, re-run the promoted recipe of every stage a gate names in "
         "relative_to from this stage's starting checkpoint, with this stage's overrides except "
@@ -224,6 +239,8 @@ class Stage(_Strict):
                              "steps: equal steps)")
         if self.rerun_reference:
             self._check_rerun()
+        if self.remediate is not None:
+            self._check_remediate()
         for c in self.candidates:
             last = self.seeds_for(c) - 1
             if last:
@@ -235,6 +252,21 @@ class Stage(_Strict):
                                      f"{seed_name(c.name, last)!r}, longer than 64 characters; "
                                      "shorten the candidate name") from None
         return self
+
+    def _check_remediate(self) -> None:
+        from registry.remediation import REMEDY_PREFIX, remedy_name
+
+        assert self.remediate is not None
+        if not self.gates:
+            raise ValueError(f"stage {self.name!r} sets remediate but has no gates, so every "
+                             "candidate passes; give it gates or drop remediate")
+        clash = [c.name for c in self.candidates if c.name.startswith(REMEDY_PREFIX)]
+        if clash:
+            raise ValueError(f"stage {self.name!r}: candidate {clash[0]!r} starts with "
+                             f"{REMEDY_PREFIX!r}, the names remediate gives its attempts; "
+                             "rename it")
+        last = seed_name(remedy_name(self.remediate.max_attempts), self.seeds - 1)
+        _check_name(last, "remediation run name")
 
     def seeds_for(self, candidate: Candidate) -> int:
         """How many seeds ``candidate`` runs (its own ``seeds``, else the stage's)."""

@@ -48,6 +48,7 @@ from registry.models import (
     GateResultRow,
     PromotionRow,
     RecipeRow,
+    RemediationRow,
     StageRow,
     utcnow,
 )
@@ -61,6 +62,7 @@ from registry.records import (
     PromotionRecord,
     RecipeRecord,
     RegistryError,
+    RemediationRecord,
     RunRecord,
     StageRecord,
     campaign_record,
@@ -70,6 +72,7 @@ from registry.records import (
     owner_record,
     promotion_record,
     recipe_record,
+    remediation_record,
     run_record,
     stage_record,
 )
@@ -80,6 +83,7 @@ __all__ = [
     "CAMPAIGN_STATUSES",
     "DEFAULT_FILE",
     "PROMOTION_STATUSES",
+    "REMEDIATION_STATUSES",
     "RUN_ENDED",
     "RUN_STATUSES",
     "SCHEMA_HEAD",
@@ -94,6 +98,7 @@ __all__ = [
     "RecipeRecord",
     "RegistryDB",
     "RegistryError",
+    "RemediationRecord",
     "RunRecord",
     "StageRecord",
     "alembic_config",
@@ -110,6 +115,9 @@ CAMPAIGN_STATUSES = ("pending", "running", "finished", "failed", "stopped")
 STAGE_STATUSES = ("pending", "running", "finished", "failed", "stopped", "skipped")
 RUN_STATUSES = ("pending", "running", "finished", "failed", "rejected")
 PROMOTION_STATUSES = ("active", "retired")
+#: A remediation attempt: its candidate training (running), it passed its gates (passed) or not
+#: (failed), or no remedy was left to try (none: the attempt that ends the chain).
+REMEDIATION_STATUSES = ("running", "passed", "failed", "none")
 #: Run statuses after which a run has ended (``finished_at`` is set on entering one).
 RUN_ENDED = ("finished", "failed", "rejected")
 #: The actor of promotions made by a campaign's promote task.
@@ -527,6 +535,60 @@ class RegistryDB:
             rows = s.scalars(select(StageRow).where(StageRow.campaign_id == campaign_id)
                              .order_by(StageRow.position, StageRow.id))
             return [stage_record(r) for r in rows]
+
+    # ---- remediations --------------------------------------------------------------------
+
+    def record_remediation(self, campaign_id: str, stage: str, attempt: int, *,
+                           from_candidate: str, status: str, candidate: str | None = None,
+                           remedy: dict[str, Any] | None = None,
+                           diagnosis: dict[str, Any] | None = None) -> None:
+        """Create or update attempt ``attempt`` of ``stage`` to repair itself (idempotent: a
+        resumed campaign records the same attempt again). ``remedy``: ``cause``, ``title``,
+        ``source``, ``evidence`` (list of lines) and ``override`` (dotted keys → values), as
+        :meth:`registry.remediation.Remedy.to_dict` gives them; ``diagnosis``: the failing run's
+        decision-tree record."""
+        _nonempty(stage, "stage")
+        _nonempty(from_candidate, "from_candidate")
+        _check(status, REMEDIATION_STATUSES, "remediation status")
+        if int(attempt) < 1:
+            raise RegistryError(f"remediation attempt must be ≥ 1, got {attempt}")
+        r = remedy or {}
+        values = dict(
+            from_candidate=from_candidate, candidate=candidate, status=status,
+            cause=r.get("cause"), title=r.get("title"), source=r.get("source"),
+            evidence=_json_dump(r.get("evidence"), "remediation evidence"),
+            override=_json_dump(r.get("override"), "remediation override"),
+            diagnosis=_json_dump(diagnosis, "remediation diagnosis"))
+        for tries in range(2):
+            try:
+                with self._write() as s:
+                    self._require_campaign(s, campaign_id)
+                    row = s.scalar(select(RemediationRow).where(
+                        RemediationRow.campaign_id == campaign_id, RemediationRow.stage == stage,
+                        RemediationRow.attempt == int(attempt)))
+                    now = utcnow()
+                    if row is None:
+                        s.add(RemediationRow(campaign_id=campaign_id, stage=stage,
+                                             attempt=int(attempt), created_at=now,
+                                             updated_at=now, **values))
+                    elif any(getattr(row, k) != v for k, v in values.items()):
+                        for k, v in values.items():
+                            setattr(row, k, v)
+                        row.updated_at = now
+                    return
+            except IntegrityError:
+                if tries:
+                    raise
+
+    def remediations(self, campaign_id: str, stage: str | None = None
+                     ) -> list[RemediationRecord]:
+        """A campaign's remediation attempts (one stage's with ``stage``), by stage and attempt
+        in the order they were recorded."""
+        with self._read() as s:
+            q = select(RemediationRow).where(RemediationRow.campaign_id == campaign_id)
+            if stage is not None:
+                q = q.where(RemediationRow.stage == stage)
+            return [remediation_record(r) for r in s.scalars(q.order_by(RemediationRow.id))]
 
     # ---- recipes -------------------------------------------------------------------------
 

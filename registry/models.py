@@ -17,6 +17,7 @@ Tables:
 - ``promotions``: a recipe (and checkpoint) promoted by a campaign stage or by hand, and its
   retirement.
 - ``gate_results.noise``: the standard error behind a gate's noise floor (revision 0004).
+- ``remediations``: a stage's attempts to repair itself (revision 0005; ``registry.remediation``).
 - ``campaign_owners``: the one process running a campaign now (revision 0003; see
   ``registry.ownership``).
 """
@@ -196,6 +197,35 @@ class PromotionRow(Base):
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     retired_by: Mapped[str | None] = mapped_column(String(NAME_LEN), nullable=True)
     retire_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class RemediationRow(Base):
+    """One attempt of a stage to repair itself (revision 0005): the run it starts from
+    (``from_candidate``), the remedy (``cause``, ``title``, ``source``, ``evidence`` and
+    ``override`` as JSON), the failing run's ``diagnosis`` (JSON), the candidate it ran
+    (``remedy-<attempt>``; None when no remedy was left) and its ``status``:
+    running|passed|failed|none."""
+
+    __tablename__ = "remediations"
+    __table_args__ = (UniqueConstraint("campaign_id", "stage", "attempt"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    campaign_id: Mapped[str] = mapped_column(
+        String(NAME_LEN), ForeignKey("campaigns.id", ondelete="CASCADE")
+    )
+    stage: Mapped[str] = mapped_column(String(NAME_LEN))
+    attempt: Mapped[int] = mapped_column(Integer)
+    from_candidate: Mapped[str] = mapped_column(String(NAME_LEN))
+    candidate: Mapped[str | None] = mapped_column(String(NAME_LEN), nullable=True)
+    cause: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    title: Mapped[str | None] = mapped_column(Text, nullable=True)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    evidence: Mapped[str | None] = mapped_column(Text, nullable=True)
+    override: Mapped[str | None] = mapped_column(Text, nullable=True)
+    diagnosis: Mapped[str | None] = mapped_column(Text, nullable=True)
+    status: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class CampaignOwnerRow(Base):

@@ -27,6 +27,7 @@ __all__ = [
     "PromotionRecord",
     "RecipeRecord",
     "RegistryError",
+    "RemediationRecord",
     "RunRecord",
     "StageRecord",
     "campaign_record",
@@ -36,6 +37,7 @@ __all__ = [
     "owner_record",
     "promotion_record",
     "recipe_record",
+    "remediation_record",
     "run_record",
     "stage_record",
 ]
@@ -48,7 +50,7 @@ DEFAULT_FILE = "registry.db"
 #: The newest migration in ``registry/migrations/versions`` (:func:`head_revision` asks Alembic;
 #: ``tests/registry`` checks the two agree, so a new migration must update this). A database
 #: that records exactly this revision opens without Alembic.
-SCHEMA_HEAD = "0004"
+SCHEMA_HEAD = "0005"
 
 
 
@@ -228,6 +230,33 @@ class PromotionRecord(_Record):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RemediationRecord(_Record):
+    """One attempt of a stage to repair itself (``remediations`` row)."""
+
+    campaign_id: str
+    stage: str
+    attempt: int
+    """The campaign, the stage and the attempt (1 first)."""
+    from_candidate: str
+    candidate: str | None
+    """The failing run it starts from, and the candidate it ran (``remedy-<attempt>``; None
+    when no remedy was left to try)."""
+    cause: str | None
+    title: str | None
+    source: str | None
+    evidence: list[str] | None
+    override: dict[str, Any] | None
+    """The remedy: the seed's cause and words, why it was proposed, its evidence and the recipe
+    override (dotted keys, as a candidate's ``overrides:`` takes them)."""
+    diagnosis: dict[str, Any] | None
+    """Seed 001's decision tree on the failing run (the ``RunDiagnosis`` JSON record)."""
+    status: str
+    """:data:`REMEDIATION_STATUSES`."""
+    created_at: str
+    updated_at: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OwnerRecord(_Record):
     """The process owning a campaign (``campaign_owners`` row), judged alive or not when read."""
 
@@ -312,6 +341,15 @@ def gate_record(g: Any) -> GateRecord:
         noise=getattr(g, "noise", None),
         created_at=_iso(g.created_at),
     )
+
+
+def remediation_record(r: Any) -> RemediationRecord:
+    return RemediationRecord(
+        campaign_id=r.campaign_id, stage=r.stage, attempt=int(r.attempt),
+        from_candidate=r.from_candidate, candidate=r.candidate, cause=r.cause, title=r.title,
+        source=r.source, evidence=_json_load(r.evidence), override=_json_load(r.override),
+        diagnosis=_json_load(r.diagnosis), status=r.status,
+        created_at=_iso(r.created_at), updated_at=_iso(r.updated_at))
 
 
 def promotion_record(p: Any) -> PromotionRecord:

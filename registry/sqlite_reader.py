@@ -31,6 +31,7 @@ from registry.records import (
     PromotionRecord,
     RecipeRecord,
     RegistryError,
+    RemediationRecord,
     RunRecord,
     StageRecord,
     campaign_record,
@@ -39,6 +40,7 @@ from registry.records import (
     owner_record,
     promotion_record,
     recipe_record,
+    remediation_record,
     run_record,
     stage_record,
 )
@@ -144,6 +146,13 @@ class SQLiteReader:
                 args.append(value)
         sql = "SELECT * FROM promotions" + (f" WHERE {' AND '.join(where)}" if where else "")
         return [promotion_record(r) for r in self._all(sql + " ORDER BY id", *args)]
+
+    def remediations(self, campaign_id: str, stage: str | None = None
+                     ) -> list[RemediationRecord]:
+        sql, args = "SELECT * FROM remediations WHERE campaign_id = ?", [campaign_id]
+        if stage is not None:
+            sql, args = sql + " AND stage = ?", [*args, stage]
+        return [remediation_record(r) for r in self._all(sql + " ORDER BY id", *args)]
 
     def campaign_owner(self, campaign_id: str, heartbeat_ttl_s: float) -> OwnerRecord | None:
         rows = self._all("SELECT * FROM campaign_owners WHERE campaign_id = ?", campaign_id)

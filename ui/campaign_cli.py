@@ -74,9 +74,17 @@ class _EventLines:
         self.out.flush()
 
     def __call__(self, ev: Any) -> None:
-        from flows.events import CandidateEvent, PromotedEvent, StageEvent, StepEvent
+        from flows.events import (
+            CandidateEvent,
+            PromotedEvent,
+            RemediationEvent,
+            StageEvent,
+            StepEvent,
+        )
 
-        if isinstance(ev, StageEvent):
+        if isinstance(ev, RemediationEvent):
+            self.line(ev.line)
+        elif isinstance(ev, StageEvent):
             self.line(f"stage {ev.stage}: {ev.shown}" + (f" — {ev.verdict}" if ev.verdict
                                                          else ""))
         elif isinstance(ev, StepEvent):
@@ -219,7 +227,13 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
     from rich.console import Console
     from rich.live import Live
 
-    from flows.events import CampaignEvent, CandidateEvent, PromotedEvent, StepEvent
+    from flows.events import (
+        CampaignEvent,
+        CandidateEvent,
+        PromotedEvent,
+        RemediationEvent,
+        StepEvent,
+    )
     from registry.campaign import CampaignError
     from registry.db import RegistryError
     from training.recipe import RecipeError
@@ -246,6 +260,10 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
                             if v is not None})
             elif isinstance(ev, PromotedEvent):
                 state.setdefault((ev.stage, ev.candidate), {})["status"] = "promoted"
+            elif isinstance(ev, RemediationEvent):
+                if ev.candidate is not None:
+                    state.setdefault((ev.stage, ev.candidate), {})["status"] = (
+                        f"remedy: cause {ev.cause}")
             elif ev.earlier:  # a StageEvent: promoted by an earlier run of this campaign
                 state.setdefault((ev.stage, "(earlier)"), {})["status"] = ev.shown
             live.update(_live_table(state))
@@ -555,6 +573,7 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
     stages = db.stages(campaign_id)
     promotions = db.promotions(campaign_id=campaign_id)
     runs = [(r, db.gate_results(r.id)) for r in db.runs(campaign_id)]
+    remediations = db.remediations(campaign_id)
     db.close()
     verdict = _crashed_text(campaign_id, owner) if status_now == "crashed" else row.verdict
     data = {"id": row.id, "name": row.name, "status": status_now,
@@ -565,7 +584,8 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
                       "recipe_hash": r.recipe_hash, "status": r.status, "run_dir": r.run_dir,
                       "mlflow_run_id": r.mlflow_run_id, "gates": [g.to_dict() for g in gates],
                       "summary": r.summary or {}} for r, gates in runs],
-            "promotions": [p.to_dict() for p in promotions]}
+            "promotions": [p.to_dict() for p in promotions],
+            "remediations": [a.to_dict() for a in remediations]}
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
         return
@@ -588,6 +608,18 @@ def status(campaign_id: str | None = typer.Argument(None, help="Campaign id (def
         t.add_row(r.stage, r.candidate, r.status,
                   _num(s.get("rollout/reward_mean")), _num(s.get("eval/reward_mean")), marks)
     con.print(t)
+    for a in remediations:
+        if a.candidate is None:
+            con.print(f"remediation {a.stage} #{a.attempt}: no remedy left for "
+                      f"{escape(a.from_candidate)}")
+            continue
+        import shlex
+
+        sets = " ".join("--set " + shlex.quote(f"{k}={json.dumps(v)}")
+                        for k, v in (a.override or {}).items())
+        con.print(f"remediation {a.stage} #{a.attempt}: {escape(a.candidate)} from "
+                  f"{escape(a.from_candidate)}, cause {escape(str(a.cause))} "
+                  f"({escape(str(a.title))}): {a.status}; override: {escape(sets)}")
     for p in promotions:
         con.print(f"promoted {p.stage}: {p.candidate} (recipe {p.recipe_hash}, "
                   f"{p.status}, by {p.actor}: {p.reason})")

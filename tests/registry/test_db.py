@@ -36,7 +36,7 @@ from registry.models import Base
 from training.ownership import ProcessIdentity
 
 TABLES = {"campaigns", "stages", "recipes", "candidate_runs", "gate_results", "promotions",
-          "campaign_owners"}
+          "campaign_owners", "remediations"}
 SPEC = {"name": "ladder", "stages": [{"name": "sync", "candidates": ["a", "b"]}], "lr": 2e-4}
 HASH_A = "a" * 64
 HASH_B = "b" * 64
@@ -74,7 +74,7 @@ def test_migrations_create_every_table_at_head(db_url):
     db = RegistryDB(db_url)
     try:
         assert _tables(db_url) == TABLES | {"alembic_version"}
-        assert db.schema_revision() == head_revision() == "0004"
+        assert db.schema_revision() == head_revision() == "0005"
         columns = {c["name"] for c in inspect(db._engine).get_columns("promotions")}
         assert {"retired_at", "retired_by", "retire_reason", "recipe_hash"} <= columns
     finally:

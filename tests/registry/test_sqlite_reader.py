@@ -44,6 +44,11 @@ def registry(tmp_path):
                          reason="by hand", actor="ana")
     db.retire(retired, actor="bo", reason="worse")
     db.acquire_campaign("c1", ProcessIdentity.current(), 90.0)
+    remedy = {"cause": "F", "title": "length surge", "source": "tree", "evidence": ["x > 1.2"],
+              "override": {"optim.lr": 5e-5}}
+    db.record_remediation("c1", "one", 1, from_candidate="b", status="failed",
+                          candidate="remedy-1", remedy=remedy, diagnosis={"causes": ["F"]})
+    db.record_remediation("c1", "one", 2, from_candidate="remedy-1", status="none")
     yield path, db, (a, b)
     db.close()
 
@@ -59,6 +64,13 @@ def test_same_records_as_registrydb(registry):
             assert reader.campaign_owner(cid, 90.0) == db.campaign_owner(cid, 90.0)
             assert reader.promotions(campaign_id=cid) == db.promotions(campaign_id=cid)
         assert reader.runs("c1", "one") == db.runs("c1", "one")
+        for cid, stage in (("c1", None), ("c1", "one"), ("c1", "sync"), ("c2", None)):
+            assert reader.remediations(cid, stage) == db.remediations(cid, stage)
+        first, last = reader.remediations("c1")
+        assert (first.attempt, first.candidate, first.override) == (1, "remedy-1",
+                                                                    {"optim.lr": 5e-5})
+        assert first.evidence == ["x > 1.2"] and first.diagnosis == {"causes": ["F"]}
+        assert (last.attempt, last.status, last.candidate, last.cause) == (2, "none", None, None)
         for rid in (*run_ids, 999):
             assert reader.gate_results(rid) == db.gate_results(rid)
         for status in (None, "active", "retired"):

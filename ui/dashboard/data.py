@@ -88,6 +88,9 @@ class RunView:
     numbers: KeyNumbers
     promoted: bool
     promotion_reason: str | None
+    remediation: Any = None
+    """The :class:`~registry.records.RemediationRecord` this run is the remedy of (None for a
+    listed candidate)."""
 
     @property
     def judged(self) -> bool:
@@ -112,6 +115,8 @@ class StageView:
     description: str
     runs: tuple[RunView, ...]
     promoted_candidate: str | None
+    remediations: tuple[Any, ...] = ()
+    """The stage's remediation attempts (:class:`~registry.records.RemediationRecord`)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,8 @@ def campaign_view(db: Any, campaign_id: str) -> CampaignView | None:
     stage_desc, cand_desc = _descriptions(row.spec or {})
     promotions = tuple(db.promotions(campaign_id=campaign_id))
     active = {(p.stage, p.candidate): p for p in promotions if p.status == "active"}
+    remediations = list(db.remediations(campaign_id))
+    remedy_of = {(a.stage, a.candidate): a for a in remediations if a.candidate}
     runs_by_stage: dict[str, list[RunView]] = {}
     for r in db.runs(campaign_id):
         base = r.candidate.split(".s", 1)[0]
@@ -188,11 +195,13 @@ def campaign_view(db: Any, campaign_id: str) -> CampaignView | None:
             description=cand_desc.get((r.stage, base), ""),
             gates=tuple(_gate_view(g) for g in db.gate_results(r.id)),
             numbers=key_numbers(r.run_dir, r.summary or {}),
-            promoted=promo is not None, promotion_reason=promo.reason if promo else None))
+            promoted=promo is not None, promotion_reason=promo.reason if promo else None,
+            remediation=remedy_of.get((r.stage, base))))
     stages = tuple(StageView(name=s.name, index=s.index, status=s.status,
                              description=stage_desc.get(s.name, ""),
                              runs=tuple(runs_by_stage.get(s.name, [])),
-                             promoted_candidate=s.promoted_candidate)
+                             promoted_candidate=s.promoted_candidate,
+                             remediations=tuple(a for a in remediations if a.stage == s.name))
                    for s in sorted(db.stages(campaign_id), key=lambda s: s.index))
     return CampaignView(id=row.id, name=row.name, status=status, verdict=row.verdict,
                         diagnosis=row.diagnosis, created_at=row.created_at,
