@@ -298,9 +298,10 @@ def samples_trained(summary: Mapping[str, Any], history: list[dict[str, Any]],
 def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
             recipe_hash: str, checkpoint: str, reason: str, registry_url: str | None,
             mlflow_run_id: str | None, tracking_uri: str | None,
-            eval_reward: float | None = None) -> PromotionResult:
+            eval_reward: float | None = None, champion: bool = True) -> PromotionResult:
     """Record the promotion (idempotent) and register the checkpoint in MLflow with aliases
-    (``stage-<stage>``, and ``champion``: the newest promotion, see docs/campaigns.md), a
+    (``stage-<stage>``, and ``champion`` when ``champion``: the campaign's ``champion`` policy
+    says whether this promotion moves it, see docs/campaigns.md), a
     description (campaign, stage, candidate, the reason) and tags (recipe hash, eval); the
     candidate's run is tagged ``asyncrl.promoted``."""
     from flows.tracking import TAG_PROMOTED, Tracker
@@ -311,7 +312,7 @@ def promote(*, campaign_id: str, campaign_name: str, stage: str, candidate: str,
         tracker = Tracker(tracking_uri)
         version = tracker.register_model(
             model_name(campaign_name), mlflow_run_id, checkpoint,
-            aliases=[f"stage-{stage}", "champion"],
+            aliases=[f"stage-{stage}", *(["champion"] if champion else [])],
             description=f"campaign {campaign_id}, stage {stage}: {candidate} — {reason}",
             tags={"asyncrl.campaign_id": campaign_id, "asyncrl.stage": stage,
                   "asyncrl.candidate": candidate, "asyncrl.recipe_hash": recipe_hash,
@@ -697,11 +698,13 @@ class _Flow:
                         recipe_hash=winner.recipe_hash, checkpoint=winner.run.final_hf,
                         reason=reason, registry_url=self.registry_url,
                         mlflow_run_id=winner.mlflow_run_id, tracking_uri=self.tracking_uri,
-                        eval_reward=winner.eval_reward)
+                        eval_reward=winner.eval_reward,
+                        champion=self.campaign.champion_moves(stage.name))
         reached(f"promoted:{stage.name}")
         # the parent run: the champion so far and the stage's figures (step = the stage's index)
-        self.parent.set_tags({TAG_CHAMPION: f"{stage.name}/{winner.candidate}",
-                              f"asyncrl.promoted.{stage.name}": winner.candidate})
+        self.parent.set_tags({f"asyncrl.promoted.{stage.name}": winner.candidate,
+                              **({TAG_CHAMPION: f"{stage.name}/{winner.candidate}"}
+                                 if self.campaign.champion_moves(stage.name) else {})})
         self.parent.log_metrics({
             f"stage/{stage.name}/eval_reward": winner.eval_reward,
             f"stage/{stage.name}/rollout_reward": winner.run.summary.get("rollout/reward_mean"),
@@ -725,6 +728,8 @@ class _Flow:
                                f"{last}/{outcome.promoted[last].candidate}")
             self.db.set_campaign_status(self.campaign_id, "finished", verdict=outcome.verdict)
         last = next(reversed(outcome.promoted), None)  # also after a resume that trained none
+        if last is not None and not self.campaign.champion_moves(last):
+            last = None  # champion: final, and the ladder stopped before its last stage
         self.parent.set_tags({
             "asyncrl.verdict": outcome.verdict[:4000],
             **({TAG_CHAMPION: f"{last}/{outcome.promoted[last].candidate}"} if last else {}),

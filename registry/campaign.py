@@ -309,6 +309,15 @@ class Campaign(_Strict):
         "recipe mapping."))
     stages: list[Stage] = Field(min_length=1, max_length=100, description=(
         "The ladder, in order."))
+    champion: Literal["newest", "final"] = Field("newest", description=(
+        "Which promotion the MLflow model's 'champion' alias follows. newest: every promotion "
+        "moves it (after a run it names the last stage promoted, even a partial ladder's); "
+        "final: only the last stage's promotion does, so champion always names the winner of a "
+        "whole ladder and a campaign that stops early leaves it where it was."))
+
+    def champion_moves(self, stage: str) -> bool:
+        """Whether promoting ``stage`` moves the ``champion`` alias under :attr:`champion`."""
+        return self.champion == "newest" or stage == self.stages[-1].name
 
     @field_validator("name")
     @classmethod

@@ -13,8 +13,9 @@ the recipe is the next attempt):
 2. **The failed gates' symptoms** (:data:`GATE_REMEDIES`, gates in the order the stage lists
    them): first the specific — a gate that is one of the tree's symptoms gets that cause's
    prescription even when the tree's thresholds did not fire (``no_length_surge``,
-   ``grad_norm_no_spike`` → F; ``pg_clipfrac`` → E; ``staleness_within_bound`` → B) — then the
-   general: seed 000's three fixes for its failure cascade — **Fix 1** (Dr.GRPO: no per-group std
+   ``grad_norm_no_spike`` → F; ``pg_clipfrac`` → E; ``engine_mismatch_flat`` → A, seed 001's
+   "fix the systems gap first"; ``staleness_within_bound`` → B) — then the general: seed 000's
+   three fixes for its failure cascade — **Fix 1** (Dr.GRPO: no per-group std
    normalisation, sequence-mean token-sum loss) for a reward decline, entropy blow-up,
    repetition or eval collapse under std-normalised GRPO; **Fix 2** (two-sided IcePop bounds on
    the engine ratio, CompIS with the staleness cap) for IS weights or engine mismatch out of
@@ -125,7 +126,7 @@ GATE_REMEDIES: dict[str, tuple[str, ...]] = {
     "rollout_logprob_not_decreasing": _CASCADE,
     "is_health": ("seed000:fix2",),
     "is_weight_mean_band": ("seed000:fix2",),
-    "engine_mismatch_flat": ("seed000:fix2", "seed001:A"),
+    "engine_mismatch_flat": ("seed001:A", "seed000:fix2"),
     "logprob_diff_flat": ("seed000:fix3", "seed001:B"),
     "staleness_within_bound": ("seed001:B",),
 }

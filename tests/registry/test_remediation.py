@@ -118,3 +118,16 @@ def test_remedy_names_and_the_campaign_schema() -> None:
     with pytest.raises(ValueError, match="less than or equal to 5"):
         Stage.model_validate({"name": "s", "gates": [{"name": "reward_not_collapsed"}],
                               "remediate": {"max_attempts": 6}})
+
+
+def test_the_champion_policy() -> None:
+    from registry.campaign import Campaign
+
+    data = {"name": "c", "base": "r.yaml", "stages": [{"name": "a"}, {"name": "b"}]}
+    newest = Campaign.model_validate(data)
+    assert newest.champion == "newest"
+    assert newest.champion_moves("a") and newest.champion_moves("b")
+    final = Campaign.model_validate({**data, "champion": "final"})
+    assert not final.champion_moves("a") and final.champion_moves("b")
+    with pytest.raises(ValueError, match="champion"):
+        Campaign.model_validate({**data, "champion": "best"})
