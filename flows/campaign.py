@@ -375,6 +375,13 @@ def _diagnose(o: CandidateOutcome) -> Any:
                          lag=lag)
 
 
+def _tries(stage: Stage) -> int:
+    """How many candidates the stage may judge: its listed ones and, with ``remediate``, every
+    attempt (each is one more chance to pass by luck, so the eval gates' Bonferroni correction
+    counts them all, for every run of the stage)."""
+    return len(stage.candidates) + (stage.remediate.max_attempts if stage.remediate else 0)
+
+
 def _best_failing(outcomes: list[CandidateOutcome]) -> CandidateOutcome:
     """The failing run a remediation starts from: the fewest failed gates, then the best final
     eval, then the first listed."""
@@ -524,6 +531,13 @@ class _Flow:
         """An exception ends the run: the campaign is failed (stopped on Ctrl-C) with the
         resume command as its verdict, and its MLflow run ends so."""
         status = "failed" if not isinstance(error, KeyboardInterrupt) else "stopped"
+        for a in self.db.remediations(self.campaign_id):  # cut short: not running any more
+            if a.status == "running":
+                self.db.record_remediation(
+                    self.campaign_id, a.stage, a.attempt, from_candidate=a.from_candidate,
+                    status="failed", candidate=a.candidate, diagnosis=a.diagnosis,
+                    remedy={"cause": a.cause, "title": a.title, "source": a.source,
+                            "evidence": a.evidence, "override": a.override})
         self.db.set_campaign_status(
             self.campaign_id, status,
             verdict=f"{type(error).__name__}: {str(error)[:500]}; resume with "
@@ -658,7 +672,8 @@ class _Flow:
             diagnosis = _diagnose(base)
             failed = list({g.name: FailedGate(g.name, g.evidence) for s in base.all_seeds
                            for g in s.report.gates if not g.passed}.values())
-            proposal = propose(diagnosis, failed, base.recipe, tried)
+            proposal = propose(diagnosis, failed, base.recipe, tried,
+                               gates=[(g.name, g.params) for g in stage.gates])
             if proposal is None:
                 self.db.record_remediation(self.campaign_id, stage.name, attempt,
                                            from_candidate=base.candidate, status="none",
@@ -680,7 +695,7 @@ class _Flow:
                                          references=ref_summaries[min(j, len(ref_summaries) - 1)],
                                          reference_runs=ref_dirs[min(j, len(ref_dirs) - 1)],
                                          about=about, remedy={"attempt": attempt, **record})
-                    for j in range(stage.seeds)]
+                    for j in range(len(base.all_seeds))]  # as many seeds as what it repairs
             o = dataclasses.replace(runs[0], more_seeds=tuple(runs[1:]))
             outcomes.append(o)
             self.db.record_remediation(self.campaign_id, stage.name, attempt,
@@ -783,7 +798,7 @@ class _Flow:
                             tracking_uri=self.tracking_uri)
         gates = [g for g in stage.gates if not (absolute_only and g.relative_to)]
         report = judge(run=run, gates=gates, references=references,
-                       context=GateContext.of(recipe, candidates=len(stage.candidates)),
+                       context=GateContext.of(recipe, candidates=_tries(stage)),
                        registry_url=self.registry_url,
                        mlflow_run_id=child.id, tracking_uri=self.tracking_uri,
                        where={"campaign_id": self.campaign_id, "stage": stage.name,

@@ -196,11 +196,17 @@ def apply_remedy(recipe: Recipe, override: Mapping[str, Any], source: str) -> Re
 
 
 def propose(diagnosis: RunDiagnosis | None, failed: Iterable[FailedGate], recipe: Recipe,
-            tried: Iterable[str] = ()) -> tuple[Remedy, Recipe] | None:
+            tried: Iterable[str] = (), gates: Sequence[tuple[str, Mapping[str, Any]]] = ()
+            ) -> tuple[Remedy, Recipe] | None:
     """The next remedy for a run that failed ``failed`` under ``recipe`` (with its
     ``diagnosis``) and the recipe it makes: the first of :func:`candidates` whose key is not in
-    ``tried`` and whose override loads and changes the recipe; None when none is left. The
-    remedies passed over because their override does not load are named in its ``skipped``."""
+    ``tried``, whose override loads and changes the recipe, and whose recipe every one of the
+    stage's ``gates`` (``(name, params)``) can still judge (a bypass preset makes π_old = μ, so
+    ``is_weight_mean_band`` would pass without measuring anything); None when none is left. The
+    remedies passed over for the last two reasons are named in its ``skipped``. The returned
+    override is the one that makes the recipe: with ``steps`` when the samples per step
+    changed, so replaying it by hand trains the same samples."""
+    from registry.gates import unmet_requirement
     from training.recipe import RecipeError
 
     done = set(tried)
@@ -216,5 +222,14 @@ def propose(diagnosis: RunDiagnosis | None, failed: Iterable[FailedGate], recipe
             continue
         if new.hash() == base_hash:
             continue  # already in the recipe: nothing to try
-        return Remedy(**{**remedy.__dict__, "skipped": tuple(skipped)}), new
+        unmet = next((why for name, params in gates
+                      if (why := unmet_requirement(name, params, new))), None)
+        if unmet:
+            skipped.append(f"{remedy.key}: {unmet}")
+            continue
+        override = dict(remedy.override)
+        if new.steps != recipe.steps and "steps" not in override:
+            override["steps"] = new.steps
+        return Remedy(**{**remedy.__dict__, "override": override,
+                         "skipped": tuple(skipped)}), new
     return None

@@ -38,10 +38,11 @@ def dashboard(
                  "or stop what uses it")
     import uvicorn
 
-    from ui.dashboard.app import DashboardConfig, create_app
+    from ui.dashboard.app import DashboardConfig, allowed_hosts_for, create_app
 
     app = create_app(DashboardConfig(registry_url=registry_url, mlflow_url=mlflow_url,
-                                     prefect_api=prefect_api))
+                                     prefect_api=prefect_api,
+                                     allowed_hosts=allowed_hosts_for(host)))
     typer.echo(f"asyncrl dashboard on http://{host}:{port} (Ctrl-C stops it)")
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

@@ -509,5 +509,12 @@ def test_the_dashboard_in_a_browser(campaign_run, browser, dashboard_server):
         # a run the registry does not know: a page that says so, not a traceback
         r = httpx.get(f"{url}/campaign/e2e-1/run/999999", timeout=30)
         assert r.status_code == 404 and "has no run 999999" in r.text
-        r = httpx.get(f"{url}/run/e2e-1/{one_step.id}/files/../../../registry.db", timeout=30)
-        assert r.status_code == 404
+        # a path out of the run directory (encoded, so no client resolves it first) is refused
+        r = httpx.get(f"{url}/run/e2e-1/{one_step.id}/files/%2e%2e/%2e%2e/%2e%2e/registry.db",
+                      timeout=30)
+        assert r.status_code == 404 and "outside the run directory" in r.text
+        r = httpx.get(f"{url}/run/e2e-1/{one_step.id}/files/gate_report.html", timeout=30)
+        assert r.status_code == 200 and r.headers["content-security-policy"] == "sandbox"
+        # a Host header other than the loopback's (DNS rebinding) is refused
+        assert httpx.get(f"{url}/", headers={"Host": "evil.example"},
+                         timeout=30).status_code == 400

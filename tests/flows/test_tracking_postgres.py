@@ -168,14 +168,14 @@ def test_up_serves_the_postgres_store(services_home: Path, postgres_db: str, tmp
     pg = postgres_db  # postgresql+psycopg://postgres@127.0.0.1:PORT/DB
     # as after following `up`'s advice: runs point at a server, so the store is named explicitly
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
-    r = runner.invoke(app, ["up", "--no-prefect", "--mlflow-port", str(port),
+    r = runner.invoke(app, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port", str(port),
                             "--mlflow-backend-store-uri", pg, "--timeout", "180"])
     assert r.exit_code == 0, r.output
     assert f"store {pg})" in r.stdout
     assert f"export MLFLOW_TRACKING_URI={base}" in r.stdout
     entry = json.loads((services_home / "services.json").read_text())["mlflow"]
     assert entry["store"] == pg
-    again = runner.invoke(app, ["up", "--no-prefect", "--mlflow-port", str(port),
+    again = runner.invoke(app, ["up", "--no-prefect", "--no-dashboard", "--mlflow-port", str(port),
                                 "--mlflow-backend-store-uri", f"sqlite:///{tmp_path}/x.db"])
     assert again.exit_code == 1 and "already running on store" in again.stderr
     assert services_cli.answers(f"{base}/health")

@@ -298,6 +298,16 @@ def test_links_resolve_on_a_running_mlflow_server(cli, services_home: Path, two_
         assert httpx.get(f"{uri}/api/2.0/mlflow/experiments/get",
                          params={"experiment_id": exp}, timeout=30).status_code == 200
         assert tracker.run_url(ids[0]) == f"{uri}/#/experiments/{exp}/runs/{ids[0]}"
+        # the dashboard links each candidate to its run on this server (MLFLOW_TRACKING_URI)
+        from fastapi.testclient import TestClient
+
+        from ui.dashboard.app import create_app
+
+        with RegistryDB() as db:
+            db.upsert_stage("c1", "s", 0, "finished")
+        page = TestClient(create_app()).get("/campaign/c1").text
+        for run_id in ids:
+            assert f'href="{uri}/#/experiments/{exp}/runs/{run_id}"' in page
         hint = where_to_look(uri)  # a server URL is not a store: no `mlflow ui` command
         assert uri in hint and "mlflow ui" not in hint
     finally:

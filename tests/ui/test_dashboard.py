@@ -131,7 +131,8 @@ def test_pages(registry: Path) -> None:
     assert missing.status_code == 404 and "no campaign &#39;nope&#39;" in missing.text
     assert "Traceback" not in missing.text
     assert client.get("/run/c-1/2/files/metrics.jsonl").status_code == 200
-    assert client.get("/run/c-1/2/files/%2e%2e/base/metrics.jsonl").status_code == 404
+    out = client.get("/run/c-1/2/files/%2e%2e/base/metrics.jsonl")
+    assert out.status_code == 404 and "outside the run directory" in out.text
     assert client.get("/static/plotly.min.js").headers["content-type"].startswith(
         "application/javascript")
 
@@ -158,8 +159,8 @@ def test_the_ladder_updates_live_in_a_browser(registry: Path, browser, dashboard
 
     db = RegistryDB()
     me = ProcessIdentity.current()
-    db.acquire_campaign("c-1", me, HEARTBEAT_TTL_S)
     with dashboard_server(registry / "home") as url:
+        db.acquire_campaign("c-1", me, HEARTBEAT_TTL_S)  # a fresh heartbeat: the owner is alive
         d = browser.open(f"{url}/campaign/c-1", wait_for=".cell")
         assert d.find_element(By.CSS_SELECTOR, ".ladder").get_attribute("data-live") == "1"
         assert not d.find_elements(By.CSS_SELECTOR, ".cell[data-candidate='two-step']")

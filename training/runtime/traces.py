@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from training.runtime.types import RolloutTrace
+
+log = logging.getLogger(__name__)
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 MAX_TRACED_STEPS = 100
@@ -41,18 +44,22 @@ def _tokenizer() -> Any:
     return CharTokenizer()
 
 
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
 def trace_record(step: int, t: RolloutTrace) -> dict[str, Any]:
     """The JSON line of one trace (text decoded with the tasks' character tokenizer; special
     tokens such as ``<eos>`` shown)."""
     tok = _tokenizer()
     n = min(len(t.response_ids), MAX_TRACE_TOKENS)
     tokens = [{"t": tok.decode([t.response_ids[i]], skip_special_tokens=False),
-               "d": t.dlogp[i], "w": t.is_weight[i],
+               "d": _finite(t.dlogp[i]), "w": _finite(t.is_weight[i]),
                "s": t.staleness[i] if i < len(t.staleness) else None,
                "obs": int(t.loss_mask[i] == 0) if i < len(t.loss_mask) else 0}
               for i in range(n)]
     return {"step": int(step), "why": t.why, "group_id": t.group_id,
-            "sample_index": t.sample_index, "reward": t.reward,
+            "sample_index": t.sample_index, "reward": _finite(t.reward),
             "finish_reason": t.finish_reason, "tool_calls": t.tool_calls,
             "prompt": tok.decode(list(t.prompt_ids)), "cut": len(t.response_ids) - n,
             "tokens": tokens}
@@ -60,12 +67,17 @@ def trace_record(step: int, t: RolloutTrace) -> dict[str, Any]:
 
 def append_traces(path: Path, step: int, traces: Sequence[RolloutTrace]) -> None:
     """Append the step's traces and flush them (a kill leaves at most a partial last line,
-    which :func:`read_traces` skips)."""
-    lines = "".join(json.dumps(trace_record(step, t), allow_nan=False) + "\n" for t in traces)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(lines)
-        f.flush()
-        os.fsync(f.fileno())
+    which :func:`read_traces` skips). Never ends the run: a failure to write (a full disk) is a
+    warning, non-finite numbers are written as null."""
+    try:
+        lines = "".join(json.dumps(trace_record(step, t), allow_nan=False) + "\n"
+                        for t in traces)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, ValueError) as e:
+        log.warning("could not write the step's rollout samples to %s: %s", path, e)
 
 
 def read_traces(path: str | Path) -> list[dict[str, Any]]:

@@ -40,6 +40,17 @@ class DashboardConfig:
     registry_url: str | None = None
     mlflow_url: str | None = None
     prefect_api: str | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host headers the server answers (a page elsewhere cannot read it through DNS
+    rebinding); None: any (tests)."""
+
+
+def allowed_hosts_for(bind: str) -> tuple[str, ...] | None:
+    """The Host headers to accept when serving on ``bind``: loopback names for a loopback
+    address, any for an address open to the network (its name is not known here)."""
+    if bind in ("0.0.0.0", "::", ""):
+        return None
+    return (bind, "localhost", "127.0.0.1", "::1")
 
 
 def _services() -> dict[str, Any]:
@@ -80,7 +91,9 @@ class _Links:
             "url") else None
 
     def _get(self, key: tuple[str, str], fetch: Any) -> str | None:
-        if key not in self._cache:
+        """A looked-up URL, cached once found (a server started later, or a flow run that
+        appears later, is found on a later page)."""
+        if self._cache.get(key) is None:
             try:
                 self._cache[key] = fetch()
             except Exception:  # a server down or a run it does not know: no link, no error
@@ -111,8 +124,10 @@ class _Links:
         def fetch() -> str | None:
             import httpx
 
+            # the newest: a resumed campaign has one flow run per launch, all named by its id
             r = httpx.post(f"{api}/flow_runs/filter", timeout=LINK_TIMEOUT_S,
-                           json={"flow_runs": {"name": {"any_": [campaign_id]}}, "limit": 1})
+                           json={"flow_runs": {"name": {"any_": [campaign_id]}},
+                                 "sort": "EXPECTED_START_TIME_DESC", "limit": 1})
             r.raise_for_status()
             runs = r.json()
             if not runs:
@@ -168,6 +183,10 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
     """The dashboard app (see the module docstring for its pages)."""
     cfg = cfg or DashboardConfig()
     app = FastAPI(title="asyncrl dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    if cfg.allowed_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(cfg.allowed_hosts))
     env = _env()
     links = _Links(cfg)
 
@@ -247,7 +266,7 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
         if reference is not None:
             curves.append(_curve(reference, "reference", recipes))
         charts = run_charts(curves)
-        diagnosis = _diagnosis(focus, recipes.get(focus.recipe_hash), reference)
+        diagnosis = _diagnosis(focus, recipes.get(focus.recipe_hash))
         diff = D.recipe_diff(base, recipes.get(focus.recipe_hash), base_hash)
         rollouts = _rollouts(focus.run_dir)
         by_weight = colour == "weight"
@@ -278,7 +297,15 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
 
     @app.get("/run/{campaign_id}/{run_id}/files/{path:path}")
     def run_file(campaign_id: str, run_id: int, path: str = "") -> Response:
-        r = load(campaign_id).run(run_id)
+        from urllib.parse import quote
+
+        db = open_db()
+        try:
+            r = (next((x for x in db.runs(campaign_id) if x.id == run_id), None)
+                 if db is not None else None)
+        finally:
+            if db is not None:
+                db.close()
         if r is None or not r.run_dir:
             raise HTTPException(404, f"campaign {campaign_id!r} has no run {run_id} on disk")
         root = Path(r.run_dir).resolve()
@@ -288,7 +315,7 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
         if target.is_dir():
             items = sorted(target.iterdir(), key=lambda p: (p.is_file(), p.name))
             rows = "".join(
-                f"<li><a href='{html.escape(p.name + ('/' if p.is_dir() else ''))}'>"
+                f"<li><a href='{html.escape(quote(p.name) + ('/' if p.is_dir() else ''))}'>"
                 f"{html.escape(p.name)}{'/' if p.is_dir() else ''}</a></li>" for p in items)
             return HTMLResponse(f"<!doctype html><title>{html.escape(str(target))}</title>"
                                 f"<h3>{html.escape(str(target))}</h3><ul>{rows}</ul>")
@@ -296,7 +323,10 @@ def create_app(cfg: DashboardConfig | None = None) -> FastAPI:
             raise HTTPException(404, f"no file {path!r} in the run directory")
         media = "text/plain; charset=utf-8" if target.suffix in (
             ".jsonl", ".yaml", ".json", ".txt", ".log") else None
-        return FileResponse(target, media_type=media)
+        # a run's files are shown, never run: an HTML report renders sandboxed (no scripts, an
+        # origin of its own), and nothing is sniffed into another type
+        return FileResponse(target, media_type=media, headers={
+            "X-Content-Type-Options": "nosniff", "Content-Security-Policy": "sandbox"})
 
     @app.get("/static/{name}")
     def static(name: str) -> Response:
@@ -339,23 +369,32 @@ def _curve(r: D.RunView, role: str, recipes: dict[str, Any]) -> Curve:
                  role, r.passed or not r.judged)
 
 
-def _diagnosis(r: D.RunView, recipe: dict[str, Any] | None,
-               reference: D.RunView | None) -> Any:
-    """Seed 001's decision tree on a run that failed its gates (None for one that passed)."""
-    if not r.judged or r.passed:
+def _diagnosis(r: D.RunView, recipe: dict[str, Any] | None) -> Any:
+    """Seed 001's decision tree on a run that failed its gates (None for one that passed), with
+    what the campaign diagnosed it with: the reference summary and the staleness bound its
+    ``gate_report.json`` records (``judged_with``), as the campaign's verdict and remediation
+    did."""
+    if not r.judged or r.passed or not r.run_dir:
         return None
     history = D.read_history(r.run_dir)
     if not history:
         return None
-    from registry.gates.diagnosis import diagnosis_for, summarize
+    from registry.gates.diagnosis import diagnosis_for
     from training.recipe import RecipeError, recipe_from_dict
 
     try:
         rec = recipe_from_dict(recipe, "stored recipe") if recipe else None
     except RecipeError:
         rec = None
-    ref_hist = D.read_history(reference.run_dir) if reference is not None else []
-    return diagnosis_for(history, rec, summarize(ref_hist) if ref_hist else None)
+    try:
+        judged = json.loads((Path(r.run_dir) / "gate_report.json").read_text()).get(
+            "judged_with") or {}
+    except (OSError, ValueError):
+        judged = {}
+    refs = judged.get("references") or {}
+    reference = next(iter(refs.values()), None)
+    lag = (judged.get("context") or {}).get("max_staleness")
+    return diagnosis_for(history, rec, reference, lag=1 if lag is None else lag)
 
 
 def _rollouts(run_dir: str | None) -> list[dict[str, Any]]:

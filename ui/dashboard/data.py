@@ -10,8 +10,10 @@ blocked and the page always shows what is recorded now.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -172,8 +174,9 @@ def _descriptions(spec: Mapping[str, Any]) -> tuple[dict[str, str], dict[tuple[s
     return stages, cands
 
 
-def campaign_view(db: Any, campaign_id: str) -> CampaignView | None:
-    """The ladder of ``campaign_id`` from the registry ``db`` (None when unknown)."""
+def campaign_view(db: Any, campaign_id: str, numbers: bool = True) -> CampaignView | None:
+    """The ladder of ``campaign_id`` from the registry ``db`` (None when unknown); without
+    ``numbers`` the runs' files are not read (the campaign list needs none of them)."""
     from registry.ownership import effective_status
 
     row = db.get_campaign(campaign_id)
@@ -187,14 +190,14 @@ def campaign_view(db: Any, campaign_id: str) -> CampaignView | None:
     remedy_of = {(a.stage, a.candidate): a for a in remediations if a.candidate}
     runs_by_stage: dict[str, list[RunView]] = {}
     for r in db.runs(campaign_id):
-        base = r.candidate.split(".s", 1)[0]
+        base = re.sub(r"\.s\d+$", "", r.candidate)  # a seed's run: its candidate's
         promo = active.get((r.stage, r.candidate))
         runs_by_stage.setdefault(r.stage, []).append(RunView(
             id=r.id, stage=r.stage, candidate=r.candidate, recipe_hash=r.recipe_hash,
             status=r.status, run_dir=r.run_dir, mlflow_run_id=r.mlflow_run_id,
             description=cand_desc.get((r.stage, base), ""),
             gates=tuple(_gate_view(g) for g in db.gate_results(r.id)),
-            numbers=key_numbers(r.run_dir, r.summary or {}),
+            numbers=key_numbers(r.run_dir, r.summary or {}) if numbers else KeyNumbers(),
             promoted=promo is not None, promotion_reason=promo.reason if promo else None,
             remediation=remedy_of.get((r.stage, base))))
     stages = tuple(StageView(name=s.name, index=s.index, status=s.status,
@@ -211,8 +214,9 @@ def campaign_view(db: Any, campaign_id: str) -> CampaignView | None:
 
 
 def campaign_views(db: Any) -> list[CampaignView]:
-    """Every campaign, newest first."""
-    out = [v for c in db.list_campaigns() if (v := campaign_view(db, c.id)) is not None]
+    """Every campaign, newest first (without the runs' key numbers)."""
+    out = [v for c in db.list_campaigns()
+           if (v := campaign_view(db, c.id, numbers=False)) is not None]
     return sorted(out, key=lambda v: v.created_at, reverse=True)
 
 
@@ -225,19 +229,32 @@ def _gate_view(g: Any) -> GateView:
 # --- a run's files ------------------------------------------------------------------------------
 
 
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def read_history(run_dir: str | Path | None) -> list[dict[str, Any]]:
-    """The rows of the run's ``metrics.jsonl`` ([] when it has none yet)."""
+    """The rows of the run's ``metrics.jsonl`` ([] when it has none yet); parsed again only
+    when the file changed (the live ladder asks every few seconds)."""
     if not run_dir:
         return []
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
+    stamp = _stamp(path)
+    return [] if stamp is None else [dict(r) for r in _history(str(path), stamp)]
+
+
+@functools.lru_cache(maxsize=256)
+def _history(path: str, stamp: tuple[int, int]) -> tuple[dict[str, Any], ...]:
     from training.runtime.sinks import read_metrics
 
     try:
-        return [dict(r) for r in read_metrics(path)]
+        return tuple(dict(r) for r in read_metrics(path))
     except (OSError, ValueError):
-        return []
+        return ()
 
 
 def key_numbers(run_dir: str | None, summary: Mapping[str, Any]) -> KeyNumbers:
@@ -267,15 +284,28 @@ def key_numbers(run_dir: str | None, summary: Mapping[str, Any]) -> KeyNumbers:
 
 def _eval(run_dir: str | None) -> tuple[float | None, float | None, int | None]:
     """The last eval's mean reward, its standard error over prompts and n."""
-    if not run_dir or not (Path(run_dir) / "eval.jsonl").is_file():
+    if not run_dir:
         return None, None, None
+    path = Path(run_dir) / "eval.jsonl"
+    stamp = _stamp(path)
+    return (None, None, None) if stamp is None else _eval_of(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=256)
+def _eval_of(path: str, stamp: tuple[int, int]
+             ) -> tuple[float | None, float | None, int | None]:
     from training.evals import read_evals
 
-    evals = read_evals(Path(run_dir) / "eval.jsonl")
+    try:
+        evals = read_evals(path)
+    except (OSError, ValueError):
+        return None, None, None
     if not evals:
         return None, None, None
     rewards = [float(r) for r in evals[-1].rewards]
     n = len(rewards)
+    if n == 0:
+        return None, None, None
     mean = sum(rewards) / n
     se = (math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1) / n) if n > 1 else None)
     return mean, se, n
