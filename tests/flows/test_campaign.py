@@ -48,12 +48,6 @@ STOPPING = {
 }
 
 
-# the same stage, told to repair itself: no remedy the seeds prescribe changes the async mode, so
-# every attempt fails the same gate and the campaign stops after max_attempts
-UNREPAIRABLE = {**STOPPING, "name": "e2eremedy",
-                "stages": [{**STOPPING["stages"][0], "remediate": {"max_attempts": 2}}]}
-
-
 EVENTS: dict[str, list] = {}  # progress events of each flow run of the fixture (the live table's)
 
 
@@ -66,7 +60,7 @@ def campaign_run(tmp_path_factory, run_campaign):
         stop_path.write_text(yaml.safe_dump(STOPPING))
         from flows.campaign import EVENT_LISTENERS
 
-        runs = ("first", "again", "stopped", "remedy")
+        runs = ("first", "again", "stopped")
         listeners = {r: EVENTS.setdefault(r, []).append for r in runs}
         EVENT_LISTENERS.append(listeners["first"])
         first = campaign_flow(str(path), "e2e-1")
@@ -74,10 +68,6 @@ def campaign_run(tmp_path_factory, run_campaign):
         again = campaign_flow(str(path), "e2e-1")  # a re-run: everything is already done
         EVENT_LISTENERS[-1] = listeners["stopped"]
         stopped = campaign_flow(str(stop_path), "e2e-stop", return_state=True)
-        EVENT_LISTENERS[-1] = listeners["remedy"]
-        remedy_path = home / "e2eremedy.yaml"
-        remedy_path.write_text(yaml.safe_dump(UNREPAIRABLE))
-        campaign_flow(str(remedy_path), "e2e-remedy", return_state=True)
         EVENT_LISTENERS.pop()
         yield home, first, again, stopped
 
@@ -227,55 +217,6 @@ def test_a_stopped_campaign_ends_failed_in_prefect_and_mlflow(campaign_run):
     db = RegistryDB()
     assert db.get_campaign("e2e-stop").status == "stopped"
     assert recorded_gate_notes(db, "e2e-stop") == out.gate_notes
-    db.close()
-
-
-def test_a_stage_that_cannot_be_repaired_stops_after_max_attempts(campaign_run):
-    """remediate: {max_attempts: 2} on a stage whose gate no remedy can meet (one step of lag
-    against a staleness bound of 0): two remedies run, each on top of the last and each from the
-    diagnosis of the run before it; both fail; the campaign stops listing the attempts and the
-    diagnoses. Each attempt is recorded (registry, MLflow, events) and replays by hand: the
-    recorded override on the recorded starting recipe is the remedy's recipe."""
-    import yaml as _yaml
-    from mlflow import MlflowClient
-
-    from flows.events import RemediationEvent
-    from flows.tracking import default_tracking_uri
-    from registry.db import RegistryDB
-    from training.recipe import recipe_from_dict
-
-    db = RegistryDB()
-    c = db.get_campaign("e2e-remedy")
-    assert c.status == "stopped"
-    attempts = db.remediations("e2e-remedy")
-    runs = {r.candidate: r for r in db.runs("e2e-remedy")}
-    assert [(a.attempt, a.from_candidate, a.candidate, a.status) for a in attempts] == [
-        (1, "one-step", "remedy-1", "failed"), (2, "remedy-1", "remedy-2", "failed")]
-    assert set(runs) == {"one-step", "remedy-1", "remedy-2"}
-    assert all(runs[n].status == "rejected" for n in runs)
-    for a in attempts:
-        assert a.cause and a.title and a.source and a.override and a.evidence
-        assert a.diagnosis and "summary" in a.diagnosis
-        # replay by hand: the override on the recipe it started from
-        start = recipe_from_dict(_yaml.safe_load(db.get_recipe(
-            runs[a.from_candidate].recipe_hash).yaml))
-        from registry.remediation import apply_remedy
-
-        assert apply_remedy(start, a.override, "replay").hash() == runs[a.candidate].recipe_hash
-        gates = {g.name: g for g in db.gate_results(runs[a.candidate].id)}
-        assert not gates["staleness_within_bound"].passed
-    assert attempts[0].override != attempts[1].override  # the second is a new remedy
-    assert "remediation: attempt 1 (remedy-1 from one-step, cause" in c.verdict
-    assert "attempt 2 (remedy-2 from remedy-1, cause" in c.verdict and "diagnosis:" in c.verdict
-    # MLflow: the remedy's run says what it is and carries the remediation
-    client = MlflowClient(tracking_uri=default_tracking_uri())
-    child = client.get_run(runs["remedy-1"].mlflow_run_id)
-    assert child.data.tags["asyncrl.remediation.from"] == "one-step"
-    assert child.data.tags["asyncrl.remediation.cause"] == attempts[0].cause
-    assert "remediation 1 of one-step" in child.data.tags["mlflow.note.content"]
-    assert "remediation.json" in {f.path for f in client.list_artifacts(child.info.run_id)}
-    events = [e for e in EVENTS["remedy"] if isinstance(e, RemediationEvent)]
-    assert [(e.attempt, e.candidate) for e in events] == [(1, "remedy-1"), (2, "remedy-2")]
     db.close()
 
 
@@ -442,7 +383,7 @@ def test_the_dashboard_in_a_browser(campaign_run, browser, dashboard_server):
         d = browser.open(url + "/", wait_for="#campaigns")
         rows = {r.find_element(By.CSS_SELECTOR, "td a").text: r.text
                 for r in d.find_elements(By.CSS_SELECTOR, "#campaigns tbody tr")}
-        assert set(rows) == {"e2e-1", "e2e-stop", "e2e-remedy"}
+        assert set(rows) == {"e2e-1", "e2e-stop"}
         assert "finished" in rows["e2e-1"] and "async/sync" in rows["e2e-1"]
         assert "stopped" in rows["e2e-stop"]
 
@@ -495,16 +436,6 @@ def test_the_dashboard_in_a_browser(campaign_run, browser, dashboard_server):
         assert len(shades) > 1
         browser.shot("dashboard-diagnostics.png")
         assert not browser.errors()
-
-        # the campaign that tried to repair itself: its attempts under the stage, each remedy's
-        # cell saying what it fixes and from which run
-        d = browser.open(f"{url}/campaign/e2e-remedy", wait_for=".remediations")
-        items = d.find_elements(By.CSS_SELECTOR, ".remediations li.remediation")
-        assert [i.get_attribute("data-attempt") for i in items] == ["1", "2"]
-        assert "remedy-1 from one-step: cause" in items[0].text and "failed" in items[0].text
-        cell = d.find_element(By.CSS_SELECTOR, ".cell[data-candidate='remedy-2']")
-        assert "remediation 2 of remedy-1" in cell.find_element(By.CSS_SELECTOR, ".remedy").text
-        browser.shot("dashboard-remediation.png")
 
         # a run the registry does not know: a page that says so, not a traceback
         r = httpx.get(f"{url}/campaign/e2e-1/run/999999", timeout=30)

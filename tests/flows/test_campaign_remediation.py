@@ -1,5 +1,7 @@
-"""A stage that repairs itself, end to end (issue 28): Prefect, Ray, the embedded engines,
-MLflow and the registry, on the stress testbed's recipe (shrunk as in test_stress_gates.py).
+"""Stages that repair themselves, end to end (issue 28): Prefect, Ray, the embedded engines,
+MLflow and the registry.
+
+**Repaired**, on the stress testbed's recipe (shrunk as in test_stress_gates.py).
 
 Stage ``precision`` tries one candidate, ``fp8``: rollouts in fp8 while the trainer is fp32, so
 the engine gap (same weights) rises above the re-run baseline's beyond its noise and
@@ -7,6 +9,10 @@ the engine gap (same weights) rises above the re-run baseline's beyond its noise
 gate is a symptom of seed 001's cause A (precision / kernel / engine mismatch), whose fix —
 "align rollout and train precision", for a dense model on the embedded rollout
 ``engines.rollout_dtype: fp32`` — runs as ``remedy-1``, passes the same gates and is promoted.
+
+**Not repairable**, on the tiny recipe: one-step training against a staleness bound of 0 — no
+fix the seeds prescribe changes the async mode, so both attempts fail and the campaign stops
+listing them. Its dashboard page is checked in a real browser (the docs' third screenshot).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow  # a campaign of 4 small stress runs (≈2 min)
+pytestmark = pytest.mark.slow  # 4 small stress runs and 3 tiny ones (≈2.5 min)
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = {
@@ -45,12 +51,35 @@ CAMPAIGN = {
 }
 
 
+TINY = yaml.safe_load((Path(__file__).parents[1] / "tiny-recipe.yaml").read_text())
+# no candidate can pass: one-step training is one step stale and the gate allows none; no remedy
+# the seeds prescribe changes the async mode, so every attempt fails the same gate
+UNREPAIRABLE = {
+    "name": "e2eremedy",
+    "base": TINY,
+    "stages": [{"name": "only",
+                "candidates": [{"name": "one-step", "overrides": {
+                    "async": {"mode": "one_step"}, "algorithm": {"old_logprob": "snapshot"}}}],
+                "gates": [{"name": "staleness_within_bound", "params": {"max_staleness": 0}}],
+                "remediate": {"max_attempts": 2}}],
+}
+EVENTS: list = []  # the progress events of the unrepairable campaign
+
+
 @pytest.fixture(scope="module")
 def campaign_run(tmp_path_factory, run_campaign):
-    from flows.campaign import campaign_flow
+    from flows.campaign import EVENT_LISTENERS, campaign_flow
 
     with run_campaign(tmp_path_factory, "repair-e2e", copy.deepcopy(CAMPAIGN)) as (home, path):
-        yield home, campaign_flow(str(path), "repair-1", return_state=True)
+        repaired = campaign_flow(str(path), "repair-1", return_state=True)
+        other = home / "e2eremedy.yaml"
+        other.write_text(yaml.safe_dump(UNREPAIRABLE))
+        EVENT_LISTENERS.append(EVENTS.append)
+        try:
+            campaign_flow(str(other), "e2e-remedy", return_state=True)
+        finally:
+            EVENT_LISTENERS.pop()
+        yield home, repaired
 
 
 def test_the_unstable_candidate_is_repaired_by_its_remedy(campaign_run):
@@ -128,3 +157,76 @@ def test_mlflow_and_prefect_show_the_remediation(campaign_run):
 
     text = asyncio.run(artifact())
     assert "remedy-1" in text and "**Promoted:** `remedy-1`" in text
+
+
+def test_a_stage_that_cannot_be_repaired_stops_after_max_attempts(campaign_run):
+    """remediate: {max_attempts: 2} on a stage whose gate no remedy can meet (one step of lag
+    against a staleness bound of 0): two remedies run, each on top of the last and each from the
+    diagnosis of the run before it; both fail; the campaign stops listing the attempts and the
+    diagnoses. Each attempt is recorded (registry, MLflow, events) and replays by hand: the
+    recorded override on the recorded starting recipe is the remedy's recipe."""
+    import yaml as _yaml
+    from mlflow import MlflowClient
+
+    from flows.events import RemediationEvent
+    from flows.tracking import default_tracking_uri
+    from registry.db import RegistryDB
+    from training.recipe import recipe_from_dict
+
+    db = RegistryDB()
+    c = db.get_campaign("e2e-remedy")
+    assert c.status == "stopped"
+    attempts = db.remediations("e2e-remedy")
+    runs = {r.candidate: r for r in db.runs("e2e-remedy")}
+    assert [(a.attempt, a.from_candidate, a.candidate, a.status) for a in attempts] == [
+        (1, "one-step", "remedy-1", "failed"), (2, "remedy-1", "remedy-2", "failed")]
+    assert set(runs) == {"one-step", "remedy-1", "remedy-2"}
+    assert all(runs[n].status == "rejected" for n in runs)
+    for a in attempts:
+        assert a.cause and a.title and a.source and a.override and a.evidence
+        assert a.diagnosis and "summary" in a.diagnosis
+        # replay by hand: the override on the recipe it started from
+        start = recipe_from_dict(_yaml.safe_load(db.get_recipe(
+            runs[a.from_candidate].recipe_hash).yaml))
+        from registry.remediation import apply_remedy
+
+        assert apply_remedy(start, a.override, "replay").hash() == runs[a.candidate].recipe_hash
+        gates = {g.name: g for g in db.gate_results(runs[a.candidate].id)}
+        assert not gates["staleness_within_bound"].passed
+    assert attempts[0].override != attempts[1].override  # the second is a new remedy
+    assert "remediation: attempt 1 (remedy-1 from one-step, cause" in c.verdict
+    assert "attempt 2 (remedy-2 from remedy-1, cause" in c.verdict and "diagnosis:" in c.verdict
+    # MLflow: the remedy's run says what it is and carries the remediation
+    client = MlflowClient(tracking_uri=default_tracking_uri())
+    child = client.get_run(runs["remedy-1"].mlflow_run_id)
+    assert child.data.tags["asyncrl.remediation.from"] == "one-step"
+    assert child.data.tags["asyncrl.remediation.cause"] == attempts[0].cause
+    assert "remediation 1 of one-step" in child.data.tags["mlflow.note.content"]
+    assert "remediation.json" in {f.path for f in client.list_artifacts(child.info.run_id)}
+    events = [e for e in EVENTS if isinstance(e, RemediationEvent)]
+    assert [(e.attempt, e.candidate) for e in events] == [(1, "remedy-1"), (2, "remedy-2")]
+    db.close()
+
+
+def test_the_dashboard_shows_the_attempts(campaign_run, browser, dashboard_server):
+    """The unrepairable campaign in the dashboard (Debian's chromium): its attempts under the
+    stage with cause and verdict, each remedy's cell saying what it repairs; the repaired
+    campaign's remedy marked promoted."""
+    from selenium.webdriver.common.by import By
+
+    home, _ = campaign_run
+    with dashboard_server(home) as url:
+        # the campaign that tried to repair itself: its attempts under the stage, each remedy's
+        # cell saying what it fixes and from which run
+        d = browser.open(f"{url}/campaign/e2e-remedy", wait_for=".remediations")
+        items = d.find_elements(By.CSS_SELECTOR, ".remediations li.remediation")
+        assert [i.get_attribute("data-attempt") for i in items] == ["1", "2"]
+        assert "remedy-1 from one-step: cause" in items[0].text and "failed" in items[0].text
+        cell = d.find_element(By.CSS_SELECTOR, ".cell[data-candidate='remedy-2']")
+        assert "remediation 2 of remedy-1" in cell.find_element(By.CSS_SELECTOR, ".remedy").text
+        browser.shot("dashboard-remediation.png")
+        d = browser.open(f"{url}/campaign/repair-1", wait_for=".cell")
+        cell = d.find_element(By.CSS_SELECTOR, ".cell[data-candidate='remedy-1']")
+        assert "promoted" in cell.get_attribute("class").split()
+        assert "remediation 1 of fp8: cause A" in cell.text
+        assert not browser.errors()
