@@ -85,6 +85,7 @@ from training.fileio import atomic_write_text
 from training.paths import state_dir
 
 if TYPE_CHECKING:
+    from registry.remediation import Attempt
     from training.recipe import Recipe
 
 log = logging.getLogger("asyncrl.campaign")
@@ -361,18 +362,12 @@ def _promotion_reason(stage: Stage, winner: CandidateOutcome, why: str) -> str:
 
 
 def _diagnose(o: CandidateOutcome) -> Any:
-    """Seed 001's decision tree on a judged run (:func:`registry.gates.diagnosis_for`): its own
-    recipe tailors the prescribed override to it; the reference it was judged against (the
-    baseline's summary) calibrates the tree's thresholds; its staleness bound is the lag."""
-    from registry.gates import diagnosis_for
+    """Seed 001's decision tree on a judged run: its own recipe tailors the prescribed override
+    to it, and what it was judged with (:func:`registry.gates.diagnosis_as_judged`)."""
+    from registry.gates import diagnosis_as_judged
     from training.runtime.sinks import read_metrics
 
-    refs = o.report.judged_with.get("references") or {}
-    reference = next(iter(refs.values()), None)
-    lag = o.report.judged_with.get("context", {}).get("max_staleness")
-    lag = 1 if lag is None else lag  # unbounded staleness: at least one update of lag
-    return diagnosis_for(read_metrics(o.run.metrics_path), o.recipe, reference=reference,
-                         lag=lag)
+    return diagnosis_as_judged(read_metrics(o.run.metrics_path), o.recipe, o.report.judged_with)
 
 
 def _tries(stage: Stage) -> int:
@@ -663,7 +658,7 @@ class _Flow:
         ``remediate.max_attempts``; their outcomes are appended to ``outcomes``. Each attempt is
         recorded in the registry (cause, evidence, override, the diagnosis it came from) before
         it trains and again with its verdict, and its MLflow run is tagged with it."""
-        from registry.remediation import FailedGate, propose, remedy_name
+        from registry.remediation import Attempt, FailedGate, propose, remedy_name
 
         assert stage.remediate is not None
         base = _best_failing([o for o in outcomes if not o.candidate.startswith("reference-")])
@@ -682,8 +677,8 @@ class _Flow:
                 return
             remedy, recipe = proposal
             name = remedy_name(attempt)
-            record = {"from_candidate": base.candidate, "candidate": name,
-                      "remedy": remedy.to_dict(), "diagnosis": diagnosis.to_dict()}
+            this = Attempt(attempt, base.candidate, name, remedy, diagnosis)
+            record = {k: v for k, v in this.to_dict().items() if k != "attempt"}
             self.db.record_remediation(self.campaign_id, stage.name, attempt, status="running",
                                        **record)
             _emit(self.events, RemediationEvent(stage.name, attempt, base.candidate, name,
@@ -694,7 +689,7 @@ class _Flow:
             runs = [self.train_and_judge(stage, seed_name(name, j), seeded(recipe, j),
                                          references=ref_summaries[min(j, len(ref_summaries) - 1)],
                                          reference_runs=ref_dirs[min(j, len(ref_dirs) - 1)],
-                                         about=about, remedy={"attempt": attempt, **record})
+                                         about=about, remediation=this)
                     for j in range(len(base.all_seeds))]  # as many seeds as what it repairs
             o = dataclasses.replace(runs[0], more_seeds=tuple(runs[1:]))
             outcomes.append(o)
@@ -768,12 +763,12 @@ class _Flow:
     def train_and_judge(self, stage: Stage, name: str, recipe: Recipe, *,
                         references: dict[str, dict[str, float]], reference_runs: dict[str, str],
                         absolute_only: bool = False, about: str | None = None,
-                        remedy: dict[str, Any] | None = None) -> CandidateOutcome:
+                        remediation: Attempt | None = None) -> CandidateOutcome:
         """Train ``recipe`` as candidate ``name`` of the stage (a Prefect task, an MLflow child
         run, a registry row) and judge it on the stage's gates — only those without
         ``relative_to`` when ``absolute_only`` (a reference re-run is the reference).
         ``about``: the run's description when it is not a listed candidate (a remediation);
-        ``remedy``: the remediation it runs, tagged on and logged with its MLflow run."""
+        ``remediation``: the attempt it runs, tagged on and logged with its MLflow run."""
         rhash = recipe.hash()
         self.db.put_recipe(rhash, recipe.name, recipe.to_yaml())
         child = self.parent.candidate_run(campaign_id=self.campaign_id, stage=stage.name,
@@ -783,14 +778,9 @@ class _Flow:
         if about is not None:
             description = description.split("\n")[0] + f"\ncandidate {name}: {about}"
         child.set_tags({TAG_DESCRIPTION: description})
-        if remedy is not None:
-            rem = remedy["remedy"]
-            child.set_tags({"asyncrl.remediation.attempt": str(remedy["attempt"]),
-                            "asyncrl.remediation.from": remedy["from_candidate"],
-                            "asyncrl.remediation.cause": str(rem["cause"]),
-                            "asyncrl.remediation.override": json.dumps(rem["override"],
-                                                                       sort_keys=True)[:4000]})
-            child.log_dict(remedy, "remediation.json")
+        if remediation is not None:
+            child.set_tags(remediation.tags())
+            child.log_dict(remediation.to_dict(), "remediation.json")
         _emit(self.events, CandidateEvent(stage.name, name, "running", recipe_hash=rhash))
         run = run_candidate(campaign_id=self.campaign_id, stage=stage.name, candidate=name,
                             recipe_hash=rhash, recipe=recipe,

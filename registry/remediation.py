@@ -30,6 +30,7 @@ reason kept in :attr:`Remedy.skipped`.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,33 @@ class Remedy:
         return {"key": self.key, "cause": self.cause, "title": self.title,
                 "source": self.source, "evidence": list(self.evidence),
                 "override": dict(self.override), "skipped": list(self.skipped)}
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One remediation attempt of a stage: its number, the run it starts from, the candidate it
+    runs, the remedy, and the failing run's diagnosis (:class:`RunDiagnosis`). The registry row,
+    the MLflow tags and ``remediation.json`` are made from it at their edges."""
+
+    attempt: int
+    from_candidate: str
+    candidate: str
+    remedy: Remedy
+    diagnosis: RunDiagnosis
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record (``remediation.json``; the registry's columns)."""
+        return {"attempt": self.attempt, "from_candidate": self.from_candidate,
+                "candidate": self.candidate, "remedy": self.remedy.to_dict(),
+                "diagnosis": self.diagnosis.to_dict()}
+
+    def tags(self) -> dict[str, str]:
+        """The MLflow tags of the remedy's run."""
+        return {"asyncrl.remediation.attempt": str(self.attempt),
+                "asyncrl.remediation.from": self.from_candidate,
+                "asyncrl.remediation.cause": self.remedy.cause,
+                "asyncrl.remediation.override": json.dumps(self.remedy.override,
+                                                           sort_keys=True)[:4000]}
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,18 @@ def summarize(history: Sequence[Mapping[str, Any]], tail: float = 0.25) -> dict[
     return dict(sorted(out.items()))
 
 
+def diagnosis_as_judged(history: Sequence[Mapping[str, Any]], recipe: Recipe | None,
+                        judged_with: Mapping[str, Any]) -> RunDiagnosis:
+    """:func:`diagnosis_for` with what a campaign judged the run with (a gate report's
+    ``judged_with``): the first reference summary calibrates the tree's thresholds, the run's
+    staleness bound is the lag (unbounded: at least one update of lag). The campaign's verdict,
+    its remediation and the dashboard all diagnose a run this way, so they agree."""
+    refs = judged_with.get("references") or {}
+    reference = next(iter(refs.values()), None)
+    lag = (judged_with.get("context") or {}).get("max_staleness")
+    return diagnosis_for(history, recipe, reference=reference, lag=1 if lag is None else lag)
+
+
 #: Gates :func:`diagnosis_for` leaves out: without a reference their default is a number from
 #: another task, so on ours they would fail every run and name nothing wrong with it.
 #: (``repetition_rate`` without a reference compares with the run's own start, so it stays.)

@@ -29,6 +29,7 @@ from ui.dashboard.charts import Curve, run_charts
 
 POLL_S = 2.0
 LINK_TIMEOUT_S = 1.5
+RETRY_LINK_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class _Links:
     def __init__(self, cfg: DashboardConfig) -> None:
         self.cfg = cfg
         self._cache: dict[tuple[str, str], str | None] = {}
+        self._failed: dict[tuple[str, str], float] = {}  # when a lookup last found nothing
 
     def _mlflow_base(self) -> str | None:
         if self.cfg.mlflow_url:
@@ -91,14 +93,24 @@ class _Links:
             "url") else None
 
     def _get(self, key: tuple[str, str], fetch: Any) -> str | None:
-        """A looked-up URL, cached once found (a server started later, or a flow run that
-        appears later, is found on a later page)."""
-        if self._cache.get(key) is None:
-            try:
-                self._cache[key] = fetch()
-            except Exception:  # a server down or a run it does not know: no link, no error
-                return None
-        return self._cache[key]
+        """A looked-up URL, cached once found. A lookup that found nothing (a server down, a
+        flow run not there yet) is tried again after :data:`RETRY_LINK_S`, so a live ladder
+        polling a slow or absent server waits at most one timeout per run that often."""
+        import time
+
+        if self._cache.get(key) is not None:
+            return self._cache[key]
+        if time.monotonic() - self._failed.get(key, -math.inf) < RETRY_LINK_S:
+            return None
+        try:
+            url = fetch()
+        except Exception:  # a server down or a run it does not know: no link, no error
+            url = None
+        if url is None:
+            self._failed[key] = time.monotonic()
+        else:
+            self._cache[key] = url
+        return url
 
     def mlflow_run(self, run_id: str | None) -> str | None:
         base = self._mlflow_base()
@@ -371,15 +383,14 @@ def _curve(r: D.RunView, role: str, recipes: dict[str, Any]) -> Curve:
 
 def _diagnosis(r: D.RunView, recipe: dict[str, Any] | None) -> Any:
     """Seed 001's decision tree on a run that failed its gates (None for one that passed), with
-    what the campaign diagnosed it with: the reference summary and the staleness bound its
-    ``gate_report.json`` records (``judged_with``), as the campaign's verdict and remediation
-    did."""
+    what its ``gate_report.json`` says it was judged with, as the campaign's verdict and
+    remediation diagnosed it."""
     if not r.judged or r.passed or not r.run_dir:
         return None
     history = D.read_history(r.run_dir)
     if not history:
         return None
-    from registry.gates.diagnosis import diagnosis_for
+    from registry.gates import diagnosis_as_judged
     from training.recipe import RecipeError, recipe_from_dict
 
     try:
@@ -391,10 +402,7 @@ def _diagnosis(r: D.RunView, recipe: dict[str, Any] | None) -> Any:
             "judged_with") or {}
     except (OSError, ValueError):
         judged = {}
-    refs = judged.get("references") or {}
-    reference = next(iter(refs.values()), None)
-    lag = (judged.get("context") or {}).get("max_staleness")
-    return diagnosis_for(history, rec, reference, lag=1 if lag is None else lag)
+    return diagnosis_as_judged(history, rec, judged)
 
 
 def _rollouts(run_dir: str | None) -> list[dict[str, Any]]:
