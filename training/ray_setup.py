@@ -66,6 +66,11 @@ SESSION_MARK = "ASYNCRL_RAY_SESSION"
 POLL_S = 0.2  # how often the reaper checks that the driver and the session are alive
 TREE_SCAN_S = 2.0  # how often it records the session's process tree
 TERM_GRACE_S = 2.0  # SIGTERM → SIGKILL
+LOCAL_CPU_SLOTS = 4
+"""Logical CPUs a local Ray offers per core. A run's placement group asks for a CPU per engine
+and trainer thread (:mod:`training.runtime.placement`): the default recipe needs 3, and the
+embedded engines and the trainer mostly wait on each other, so one machine's cores are shared
+rather than counted out (``parallel`` caps how many of a stage's runs share them)."""
 
 
 class RayStartError(RuntimeError):
@@ -78,7 +83,8 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool
     Args:
         address: a Ray cluster to join (``auto``, ``HOST:PORT``, ``ray://…``); default
             ``$RAY_ADDRESS``; neither: start a local loopback-only Ray reaped with this process.
-        num_cpus: CPUs of a local Ray (default: all, at least 2); ignored when joining.
+        num_cpus: cores of a local Ray (default: all, at least 2), each offered as
+            :data:`LOCAL_CPU_SLOTS` logical CPUs; ignored when joining.
     Returns:
         True when this call connected (started or joined) Ray, so the caller calls
         ``ray.shutdown()`` when done; False when Ray was already initialised here.
@@ -129,7 +135,8 @@ def _start_local(ray: Any, num_cpus: int) -> None:
     before = _children(os.getpid())
     with _loopback_only(token):
         try:
-            context = ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+            context = ray.init(num_cpus=num_cpus * LOCAL_CPU_SLOTS, include_dashboard=False,
+                               log_to_driver=False,
                                logging_level=logging.ERROR)
         except (ConnectionError, RuntimeError, ValueError, OSError) as e:
             raise RayStartError(f"cannot start a local Ray: {_first_line(e)}; see the logs in "

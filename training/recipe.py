@@ -264,6 +264,55 @@ class SGLangConfig(_Strict):
         return v
 
 
+_RESOURCE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.\-]{0,63}$")
+
+
+def _check_resources(v: dict[str, float], what: str) -> dict[str, float]:
+    for name, amount in v.items():
+        if not _RESOURCE_NAME.match(str(name)):
+            raise ValueError(f"{what}: {name!r} is not a Ray resource name (letters, digits, "
+                             "_ : . -; at most 64 characters)")
+        if not math.isfinite(amount) or amount < 0 or amount > 10_000:
+            raise ValueError(f"{what}: {name} = {amount} must be in [0, 10000]")
+    if v.get("GPU", 0) and what.endswith("trainer"):
+        raise ValueError(f"{what}: GPU is not for the trainer coordinator (the Megatron ranks "
+                         "take their own GPUs, engines.megatron); name a custom resource instead")
+    return v
+
+
+class PlacementConfig(_Strict):
+    """Where Ray puts the run's processes: one placement group per run, a bundle for the trainer
+    (the rollouter and the sample buffer ride in it with no resources of their own) and one per
+    embedded rollout engine. A run waits for its bundles, so the cluster's free resources decide
+    how many runs fit at once; nothing of the run but the driver stays on the driver's machine.
+    Where a run happens does not change what it computes: these fields are not part of the
+    recipe hash."""
+
+    trainer: dict[str, YamlFloat] = Field(default_factory=dict, description=(
+        "Ray resources of the trainer's bundle, e.g. {train_node: 1} to pin it to the nodes "
+        "started with --resources '{\"train_node\": N}'. CPU defaults to "
+        "engines.train_threads."))
+    rollout: dict[str, YamlFloat] = Field(default_factory=dict, description=(
+        "Ray resources of each rollout engine's bundle (embedded engines; SGLang engines add "
+        "them to their GPU bundle). CPU defaults to engines.rollout_threads (1 for SGLang)."))
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Ray's placement strategy for the run's bundles: PACK (as few nodes as possible), "
+        "SPREAD (as many as possible), STRICT_* (all on one node / each on its own)."))
+    timeout_s: YamlFloat = Field(600.0, gt=0.0, le=86_400.0, description=(
+        "Seconds a run waits for the cluster to have room for its bundles (e.g. while other "
+        "candidates of a stage run) before it stops with the resources it lacks."))
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer(cls, v: dict[str, float]) -> dict[str, float]:
+        return _check_resources(v, "engines.placement.trainer")
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout(cls, v: dict[str, float]) -> dict[str, float]:
+        return _check_resources(v, "engines.placement.rollout")
+
+
 class EnginesConfig(_Strict):
     """Rollout and training backends: the embedded CPU pair (default) or SGLang + Megatron."""
 
@@ -297,6 +346,18 @@ class EnginesConfig(_Strict):
         "Settings of the megatron train backend (used when train: megatron)."))
     sglang: SGLangConfig = Field(default_factory=SGLangConfig, description=(
         "Settings of the sglang rollout backend (used when rollout: sglang)."))
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description=(
+        "Where Ray places the trainer and the rollout engines (resources per bundle, strategy); "
+        "see docs/cluster.md."))
+
+    def trainer_bundle(self) -> dict[str, float]:
+        """The Ray resources of the trainer's bundle."""
+        return {"CPU": float(self.train_threads), **self.placement.trainer}
+
+    def rollout_bundle(self) -> dict[str, float]:
+        """The Ray resources of one rollout engine's bundle."""
+        cpu = 1.0 if self.rollout == "sglang" else float(self.rollout_threads)
+        return {"CPU": cpu, **self.placement.rollout}
 
     @property
     def weight_transport(self) -> Literal["disk", "direct", "nccl"]:

@@ -55,7 +55,8 @@ def recipe_hash(recipe: Recipe) -> str:
     Stable across processes and field order in the YAML; defaults count (an explicit default and
     an omitted one hash the same). The settings of a backend the recipe does not use
     (``engines.megatron`` unless ``train: megatron``, ``engines.sglang`` unless ``rollout:
-    sglang``) do not count: they change nothing about the run; nor do fields added later while
+    sglang``) do not count: they change nothing about the run; nor does ``engines.placement``
+    (where Ray puts the processes); nor do fields added later while
     they keep their default (``_ADDED_LATER``); nor does a checkpoint's path when its ``origin``
     (the recipe that produced it) is known."""
     data = recipe.to_dict()
@@ -64,6 +65,7 @@ def recipe_hash(recipe: Recipe) -> str:
     if data["model"].get("origin") is not None:  # a checkpoint known by what produced it
         data["model"].pop("path")
     engines = data.get("engines", {})
+    engines.pop("placement", None)  # where the run happens, not what it computes
     if engines.get("train") != "megatron":
         engines.pop("megatron", None)
     for top, section, key, default in _ADDED_LATER:  # at their default: the hash before them

@@ -364,6 +364,19 @@ def _print_outcome(console, outcome: CampaignOutcome, as_json: dict[str, Any] | 
         console.print(f"Prefect flow run: {flow_run_url}", soft_wrap=True, markup=False)
 
 
+_RAY_ADDRESS = typer.Option(
+    None, "--ray-address", help="Run the candidates on this Ray cluster (e.g. HOST:6379, or "
+    "auto on a node of it) instead of a local Ray; same as $RAY_ADDRESS. Each run asks the "
+    "cluster for its recipe's engines.placement resources.")
+
+
+def _join_cluster(ray_address: str | None) -> None:
+    """--ray-address: the campaign's runs join that cluster (the flow starts Ray from
+    $RAY_ADDRESS, :func:`training.runtime.run.start_ray`)."""
+    if ray_address:
+        os.environ["RAY_ADDRESS"] = ray_address.strip()
+
+
 @campaign_app.command("launch")
 def launch(
     path: Path = typer.Argument(..., metavar="CAMPAIGN.yaml", help="Campaign file."),
@@ -382,6 +395,7 @@ def launch(
     timeout: float = typer.Option(0.0, "--timeout", help="With --deployment: stop waiting after "
                                   "this many seconds (0: wait until the run ends); the run goes "
                                   "on."),
+    ray_address: str | None = _RAY_ADDRESS,
 ) -> None:
     """Validate the campaign, record it in the registry and run its flow (Prefect, in-process by
     default; on a Prefect server with --deployment).
@@ -391,6 +405,10 @@ def launch(
     from flows.campaign import new_campaign_id
 
     cid = campaign_id or new_campaign_id(campaign.name)
+    if deployment and ray_address:
+        fail("--ray-address goes with an in-process launch; a deployment's runs join the "
+             "cluster its work pool's RAY_ADDRESS names (platform/prefect.yaml)")
+    _join_cluster(ray_address)
     if deployment:
         _run_deployment(path, cid, deployment_name or campaign.name, as_json, detach, timeout)
     elif deployment_name or detach or timeout:
@@ -504,10 +522,11 @@ def _deployment_json(outcome: CampaignOutcome, flow_run_id: str,
 
 @campaign_app.command("resume")
 def resume(campaign_id: str = typer.Argument(..., help="Campaign id."),
-           as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON.")
-           ) -> None:
+           as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON."),
+           ray_address: str | None = _RAY_ADDRESS) -> None:
     """Continue a campaign: finished candidates and promotions are kept, an interrupted
     candidate resumes from its last checkpoint."""
+    _join_cluster(ray_address)
     db = read_registry()
     row = db.get_campaign(campaign_id)
     db.close()

@@ -314,6 +314,7 @@ def _register_platform_commands() -> None:
     from ui.gc_cli import register as register_gc
     from ui.registry_cli import register as register_registry
     from ui.services_cli import register as register_services
+    from ui.simulate_cli import register as register_simulate
     from ui.validate_cli import register as register_validate
 
     register_campaign(app, schema_app)
@@ -323,6 +324,7 @@ def _register_platform_commands() -> None:
     register_validate(app)
     register_gc(app)
     register_dashboard(app)
+    register_simulate(app)
 
 
 _register_platform_commands()

@@ -5,8 +5,9 @@ DESIGN.md's "rollout engines" box. The recipe's ``engines.rollout`` picks one, o
 is, so no part of the driver asks which backend it has:
 
 - :class:`EmbeddedBackend` — ``engines.num_rollout_engines`` embedded servers
-  (:mod:`training.engines.embedded.server`), subprocesses of this driver on free 127.0.0.1 ports,
-  seeded ``recipe.seed + i``, one torch thread each; stopped by PID.
+  (:mod:`training.engines.embedded.server`), each launched and supervised by a Ray actor in its
+  bundle of the run's placement group (on the node Ray chose), on a free port of that node's
+  address (127.0.0.1 on one machine), seeded ``recipe.seed + i``; stopped by PID by its actor.
 - :class:`SGLangBackend` — SGLang engines on Ray actors, optionally behind sglang-router
   (:class:`~training.engines.sglang.fleet.SGLangFleet`); the actors restart a dead engine, so the
   backend tells the fleet the weights a restarted engine must come back with
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from training.engines.hf_io import read_meta
 from training.recipe import Recipe
+from training.runtime.placement import RunPlacement
 
 if TYPE_CHECKING:
     from training.engines.embedded.launch import EmbeddedServer
@@ -68,46 +70,88 @@ class RolloutBackend(ABC):
 
 
 class EmbeddedBackend(RolloutBackend):
-    """Embedded rollout servers as subprocesses of the driver (the laptop default)."""
+    """Embedded rollout servers, each launched and supervised by an
+    :class:`~training.engines.embedded.actor.EmbeddedEngineActor` in its bundle of the run's
+    placement group (:mod:`training.runtime.placement`), so on a cluster they run on the nodes
+    whose resources ``engines.placement.rollout`` names, not on the driver's machine."""
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, log_dir: Path, placement: RunPlacement) -> None:
         self.recipe = recipe
-        self.servers: list[EmbeddedServer] = []
+        self._log_dir = log_dir
+        self.placement = placement
+        self.actors: list[Any] = []
+        self._urls: list[str] = []
 
     def start(self, ray: Any, checkpoint: Path) -> list[str]:
-        from training.engines.embedded.launch import EmbeddedServer, start_all
+        from training.engines.embedded.actor import EmbeddedEngineActor
 
         e = self.recipe.engines
-        servers = [EmbeddedServer(checkpoint, dtype=e.rollout_dtype, logit_noise=e.logit_noise,
-                                  seed=self.recipe.seed + i, max_batch=e.max_batch,
-                                  threads=e.rollout_threads)
-                   for i in range(e.num_rollout_engines)]
-        self.servers = servers  # stopped by stop() even when start_all fails half-way
-        try:
-            start_all(servers, timeout=120)
-        except Exception as err:
-            tail = servers[0].log_tail(300).strip().splitlines()[-1:] if servers else []
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        # one node: servers on 127.0.0.1; several: on their node's address, since the
+        # rollouter may run on another node (a one-machine test cluster's nodes are all
+        # 127.0.0.1, so they stay on loopback)
+        hosts = {n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
+        host = "127.0.0.1" if hosts <= {"127.0.0.1"} else None
+        remote = ray.remote(EmbeddedEngineActor)
+        for i in range(e.num_rollout_engines):
+            options = {"dtype": e.rollout_dtype, "logit_noise": e.logit_noise,
+                       "seed": self.recipe.seed + i, "max_batch": e.max_batch,
+                       "threads": e.rollout_threads}
+            self.actors.append(remote.options(max_concurrency=4, max_restarts=0,
+                                              **self.placement.engine_options(i)).remote(
+                i, str(checkpoint), options, host=host, log_dir=str(self._log_dir)))
+        try:  # stopped by stop() even when a start fails half-way
+            self._urls = list(ray.get([a.start.remote() for a in self.actors]))
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None) or err
+            lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
+            first = lines[0] if lines else type(cause).__name__
+            last = lines[-1] if len(lines) > 1 else "-"
             raise BackendError(f"rollout engines did not start ({first}); last log line: "
-                               f"{tail[0] if tail else '-'}; logs in {self.log_dir()}") from None
-        return [s.url for s in servers]
+                               f"{last}; logs in {self.log_dir()}") from None
+        return list(self._urls)
 
     def alive(self, ray: Any) -> bool:
-        return any(s.alive() for s in self.servers)
+        if not self.actors:
+            return False
+        alive = []
+        for a in self.actors:
+            try:
+                alive.append(bool(ray.get(a.alive.remote(), timeout=10.0)))
+            except Exception:  # its node (or the actor) is gone
+                alive.append(False)
+        return any(alive)
 
     def failure(self, ray: Any) -> str:
         return f"see the engine logs in {self.log_dir()}"
 
     def log_dir(self) -> Path:
-        from training.paths import state_dir
+        return self._log_dir
 
-        return self.servers[0].log_path.parent if self.servers else state_dir() / "logs"
+    def weights_are(self, ray: Any, path: str | Path, version: int) -> None:
+        for a in self.actors:  # a dead actor's node is gone: the others still need them
+            with contextlib.suppress(Exception):
+                ray.get(a.set_weights.remote(str(path), int(version)), timeout=10.0)
+
+    def where(self, ray: Any) -> list[dict[str, Any]]:
+        """Each engine's node id, server PID and URL (None for an engine whose node died)."""
+        out = []
+        for a in self.actors:
+            try:
+                out.append(ray.get(a.where.remote(), timeout=10.0))
+            except Exception:
+                out.append(None)
+        return out
 
     def stop(self, ray: Any) -> None:
-        for s in self.servers:
+        if ray is not None and self.actors:
             with contextlib.suppress(Exception):
-                s.stop()
-        self.servers = []
+                ray.get([a.stop.remote() for a in self.actors], timeout=15.0)
+            for a in self.actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(a)
+        if ray is not None or not self.actors:
+            self.actors = []
+        # ray None: Ray is gone and its actors with it; each server watches its actor and exits
 
 
 class SGLangBackend(RolloutBackend):
@@ -151,10 +195,12 @@ class SGLangBackend(RolloutBackend):
             self.fleet = None
 
 
-def rollout_backend(recipe: Recipe, run_dir: Path) -> RolloutBackend:
-    """The backend ``engines.rollout`` names (SGLang logs under ``$ASYNCRL_HOME/logs/<run>``)."""
-    if recipe.engines.rollout == "sglang":
-        from training.paths import state_dir
+def rollout_backend(recipe: Recipe, run_dir: Path, placement: RunPlacement) -> RolloutBackend:
+    """The backend ``engines.rollout`` names (engine logs under ``$ASYNCRL_HOME/logs/<run>``);
+    embedded engines go in ``placement``'s bundles."""
+    from training.paths import state_dir
 
-        return SGLangBackend(recipe, state_dir() / "logs" / run_dir.name)
-    return EmbeddedBackend(recipe)
+    logs = state_dir() / "logs" / run_dir.name
+    if recipe.engines.rollout == "sglang":
+        return SGLangBackend(recipe, logs)
+    return EmbeddedBackend(recipe, logs, placement)

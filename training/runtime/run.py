@@ -62,6 +62,7 @@ from training.runtime.checkpoint import (
     write_checkpoint,
 )
 from training.runtime.pipeline import staleness_metrics, step_of_version
+from training.runtime.placement import PlacementError, RunPlacement
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
 from training.runtime.traces import ROLLOUTS_FILE, append_traces, trace_every
 from training.runtime.types import Group, RolloutState, RunCounters, RunState
@@ -263,7 +264,8 @@ class Runtime:
         self.progress = progress
         self.checkpoint_every = checkpoint_every
         self.stall_timeout_s = stall_timeout_s
-        self.backend: RolloutBackend = rollout_backend(recipe, out)
+        self.placement = RunPlacement(recipe)
+        self.backend: RolloutBackend = rollout_backend(recipe, out, self.placement)
         # torch.distributed backend of weight_sync: nccl (gloo: CPU tests with stand-in engines)
         self.weight_sync_backend = "nccl"
         self.weights: ParameterSync | None = None  # made with the actors
@@ -287,6 +289,13 @@ class Runtime:
         import ray
 
         return ray
+
+    def _reserve(self, ray: Any) -> None:
+        """The run's placement group (:mod:`.placement`): waits until the cluster has room."""
+        try:
+            self.placement.reserve(ray)
+        except PlacementError as e:
+            raise RunError(str(e)) from None
 
     def _start_engines(self, ray: Any, checkpoint: Path) -> list[str]:
         """Start the recipe's rollout backend; returns the URLs the rollouter uses."""
@@ -334,6 +343,7 @@ class Runtime:
         try:
             ray = self._ray()
             restore = self._catch_sigint()  # after ray.init, which may install its own handler
+            self._reserve(ray)
             # the embedded trainer's constructor (torch's import, the model and optimizer:
             # seconds) overlaps the engines' start; Megatron's ranks take a placement group, so
             # they wait until the engines have theirs
@@ -372,6 +382,14 @@ class Runtime:
         except KeyboardInterrupt:
             interrupted = True
             log.warning("interrupted: stopping the run (resume from the last checkpoint)")
+        except Exception as e:
+            lost = _lost_actor(e)
+            if lost is None:
+                raise
+            raise RunError(f"the run's {lost} actor died at step {self.step} (its node or "
+                           "process is gone); the last checkpoint is kept: resume with "
+                           f"`asyncrl train --resume {self.run_dir}` once the cluster has room"
+                           ) from None
         finally:
             restore()
             sink.close()
@@ -414,7 +432,7 @@ class Runtime:
 
         r = self.recipe
         total_opt = self.total_steps * r.async_.require_batches * r.optim.epochs
-        self.trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(
+        self.trainer = ray.remote(TrainerWorker).options(**self.placement.trainer_options()).remote(
             r, str(self.init_dir), trainer_resume, total_opt)
         self._actors = [self.trainer]
 
@@ -425,7 +443,8 @@ class Runtime:
 
         r = self.recipe
         drain = r.drain
-        self.buffer = ray.remote(num_cpus=0)(SampleBuffer).remote(drain, r.data.window)
+        self.buffer = ray.remote(SampleBuffer).options(
+            **self.placement.companion_options()).remote(drain, r.data.window)
         self._actors.append(self.buffer)  # stopped with the rest if a restore below fails
         start = None
         if resume_state is not None:
@@ -433,7 +452,8 @@ class Runtime:
             groups = read_buffer(self.run_dir)
             ids = [g.group_id for g in groups] + list(start.regenerate)
             ray.get(self.buffer.restore.remote(groups, ids))
-        self.rollouter = ray.remote(num_cpus=0, max_concurrency=1000)(Rollouter).remote(
+        self.rollouter = ray.remote(Rollouter).options(
+            max_concurrency=1000, **self.placement.companion_options()).remote(
             r, urls, self.buffer, start, version0, control_urls=self.backend.control_urls,
             weights_path=str(engine_dir))
         self._actors = [self.rollouter, self.trainer, self.buffer]
@@ -619,11 +639,29 @@ class Runtime:
                 for a in self._actors:
                     with contextlib.suppress(Exception):
                         ray.kill(a)
-                self.backend.stop(ray)  # SGLang engines live on Ray actors: before Ray goes
+                self.backend.stop(ray)  # the engines live on Ray actors: before Ray goes
+                self.placement.release(ray)
                 if self._started_ray:
                     ray.shutdown()
         finally:
             self.backend.stop(None)  # embedded servers are this process's children
+
+
+def _lost_actor(err: BaseException) -> str | None:
+    """The class of the run's actor whose loss ``err`` reports (a node failure, a killed
+    process), or None when ``err`` is something else."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:
+        return None
+    if not isinstance(err, RayActorError):
+        return None
+    text = str(err)
+    for name in ("TrainerWorker", "Rollouter", "SampleBuffer"):
+        if name in text:
+            return {"TrainerWorker": "trainer", "Rollouter": "rollouter",
+                    "SampleBuffer": "sample buffer"}[name]
+    return "trainer, rollouter or sample buffer"
 
 
 SUMMARY_KEYS = (

@@ -194,15 +194,25 @@ def test_engine_killed_mid_run_loses_nothing(ray_session, tmp_path):
     rt = Runtime(recipe, out=tmp_path / "run", steps=None, resume=False, ray_address=None,
                  sinks=[], progress=None, checkpoint_every=0)
     killed: list[int] = []
+    later: list[dict] = []
 
     def kill_after_two(step, total, metrics):
-        if step == 2:
-            killed.append(rt.backend.servers[0].pid)
-            rt.backend.servers[0].kill()
+        import os
+        import signal
+
+        import ray
+        if step == 2:  # kill -9 of engine 0's server process
+            killed.append(rt.backend.where(ray)[0]["pid"])
+            os.kill(killed[0], signal.SIGKILL)
+        if step == 5:
+            later.extend(rt.backend.where(ray))
 
     rt.progress = kill_after_two
     res = rt.run()
     assert killed and res.steps_done == 6 and not res.interrupted
+    # its actor started it again on the same port (the rollouter's URL stays valid)
+    assert later[0]["pid"] != killed[0] and later[0]["restarts"] == 1
+    assert later[1]["restarts"] == 0
     rows = step_rows(res.run_dir)
     check_counts(rows)
     assert rows[-1]["async/trained_samples"] == 6 * B

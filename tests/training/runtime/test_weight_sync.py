@@ -9,6 +9,7 @@ import pytest
 
 from training.recipe import recipe_from_dict
 from training.runtime.backends import EmbeddedBackend, SGLangBackend, rollout_backend
+from training.runtime.placement import RunPlacement
 from training.runtime.weight_sync import (
     DirectSync,
     DiskSync,
@@ -39,7 +40,7 @@ def test_backend_and_transport_follow_the_recipe(tmp_path, engines, backend_type
                                                  sync_type):
     recipe = _recipe(**engines)
     assert recipe.engines.weight_transport == transport
-    backend = rollout_backend(recipe, tmp_path / "run")
+    backend = rollout_backend(recipe, tmp_path / "run", RunPlacement(recipe))
     assert type(backend) is backend_type
     sync = parameter_sync(recipe, tmp_path / "run", None, None, backend)
     assert type(sync) is sync_type
@@ -52,13 +53,13 @@ def test_backend_and_transport_follow_the_recipe(tmp_path, engines, backend_type
 def test_a_fleet_transport_refuses_embedded_engines(tmp_path):
     recipe = _recipe(rollout="sglang", sglang={"router": "sglang-router"})
     with pytest.raises(SyncError, match="needs SGLang engines"):
-        parameter_sync(recipe, tmp_path, None, None, EmbeddedBackend(recipe))
+        parameter_sync(recipe, tmp_path, None, None, _embedded(recipe))
 
 
 def test_versions_and_exports(tmp_path):
     recipe = recipe_from_dict({"name": "t", "async": {"mode": "fully_async",
                                                       "max_off_policy_steps": 1}})
-    sync = parameter_sync(recipe, tmp_path, None, None, EmbeddedBackend(recipe))
+    sync = parameter_sync(recipe, tmp_path, None, None, _embedded(recipe))
     sync.started_at(3, [1, 2])  # a resumed run that had synced versions 1 and 2, now serves 3
     assert sync.synced_versions == [1, 2, 3] and sync.last_synced == 3
     sync.started_at(3)
@@ -67,7 +68,7 @@ def test_versions_and_exports(tmp_path):
     # oldest a kept sample can carry is the version of step len-2-1 = 1 → version 2
     assert sync.referenced_versions([1, 2, 3, 3]) == [2, 3]
     unlimited = parameter_sync(recipe_from_dict({"name": "t"}), tmp_path, None, None,
-                               EmbeddedBackend(recipe))
+                               _embedded(recipe))
     unlimited.started_at(0, [0, 1, 2])
     assert unlimited.referenced_versions([0, 1, 2]) == [0, 1, 2]
     for v in range(1, 6):
@@ -79,8 +80,9 @@ def test_versions_and_exports(tmp_path):
 
 def test_embedded_backend_without_servers(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
-    backend = EmbeddedBackend(recipe_from_dict({"name": "t"}))
-    assert backend.log_dir() == Path(tmp_path) / "logs"
+    recipe = recipe_from_dict({"name": "t"})
+    backend = rollout_backend(recipe, tmp_path / "run", RunPlacement(recipe))
+    assert backend.log_dir() == Path(tmp_path) / "logs" / "run"
     assert not backend.alive(None)
     backend.stop(None)  # nothing started: nothing to stop
 
@@ -124,28 +126,97 @@ def test_a_corrupt_run_state_is_one_line(tmp_path):
                               "directory or start afresh")
 
 
-def test_embedded_servers_run_with_the_recipes_thread_count(tmp_path, monkeypatch):
-    """Real servers from the backend: each reports the recipe's thread count in /server_info."""
+def test_embedded_servers_run_on_ray_actors_with_the_recipes_thread_count(
+        tmp_path, monkeypatch, ray_session):
+    """Real servers from the backend, each launched by its actor in its bundle of the run's
+    placement group: each reports the recipe's thread count in /server_info, the bundles hold
+    the threads as CPUs, and stopping the backend stops the server processes (by PID)."""
     import httpx
 
     from training.engines.hf_io import save_hf_dir
     from training.engines.model import CausalLM, ModelConfig
     from training.tasks.tokenizer import CharTokenizer
 
+    ray = ray_session
     monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))  # the servers' logs
     cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=2, intermediate_size=48,
                       max_position_embeddings=64)
     ckpt = save_hf_dir(tmp_path / "ckpt", CausalLM(cfg).init_weights(0, std=0.1), CharTokenizer())
-    backend = EmbeddedBackend(_recipe(num_rollout_engines=2, rollout_threads=2))
+    recipe = _recipe(num_rollout_engines=2, rollout_threads=2)
+    placement = RunPlacement(recipe)
+    backend = EmbeddedBackend(recipe, tmp_path / "logs", placement)
+    placement.reserve(ray)
+    assert placement.bundles == [{"CPU": 1.0}, {"CPU": 2.0}, {"CPU": 2.0}]
     try:
-        urls = backend.start(None, ckpt)
-        servers = list(backend.servers)
+        urls = backend.start(ray, ckpt)
+        where = backend.where(ray)
         infos = [httpx.get(u + "/server_info", timeout=10).json() for u in urls]
         assert [i["threads"] for i in infos] == [2, 2]
+        assert backend.alive(ray)
+        pids = [w["pid"] for w in where]
+        assert all(isinstance(p, int) and Path(f"/proc/{p}").exists() for p in pids)
     finally:
-        backend.stop(None)
-    assert len(servers) == 2 and all(s.proc.poll() is not None for s in servers)  # stopped
+        backend.stop(ray)
+        placement.release(ray)
+    import time
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in pids)  # stopped
+
+
+def test_a_dead_embedded_server_is_restarted_by_its_actor(tmp_path, monkeypatch, ray_session):
+    """kill -9 of a server: its actor starts it again on the same port, from the newest weights
+    the run named (set_weights), and it answers again."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    from training.engines.hf_io import save_hf_dir
+    from training.engines.model import CausalLM, ModelConfig
+    from training.tasks.tokenizer import CharTokenizer
+
+    ray = ray_session
+    monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path / "home"))
+    cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, hidden_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=2, intermediate_size=48,
+                      max_position_embeddings=64)
+    ckpt = save_hf_dir(tmp_path / "ckpt", CausalLM(cfg).init_weights(0, std=0.1), CharTokenizer())
+    newer = save_hf_dir(tmp_path / "v1", CausalLM(cfg).init_weights(1, std=0.1), CharTokenizer())
+    recipe = _recipe(num_rollout_engines=1)
+    placement = RunPlacement(recipe)
+    backend = EmbeddedBackend(recipe, tmp_path / "logs", placement)
+    placement.reserve(ray)
+    try:
+        (url,) = backend.start(ray, ckpt)
+        backend.weights_are(ray, newer, 1)
+        (before,) = backend.where(ray)
+        os.kill(before["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        after = before
+        while time.monotonic() < deadline:
+            (after,) = backend.where(ray)
+            if after["restarts"] == 1 and after["pid"] != before["pid"]:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.3)
+        assert after["restarts"] == 1 and after["pid"] != before["pid"]
+        assert after["url"] == url
+        info = httpx.get(url + "/server_info", timeout=10).json()
+        assert info["model_path"] == str(newer)
+    finally:
+        backend.stop(ray)
+        placement.release(ray)
+
+
+def _embedded(recipe):
+    return EmbeddedBackend(recipe, Path("logs") / "run", RunPlacement(recipe))
 
 
 def test_thread_counts_count_in_the_hash_only_when_set():

@@ -28,6 +28,7 @@ class EmbeddedServer:
     Args:
         checkpoint: HF-format checkpoint directory.
         port: port to bind; a free one when None.
+        host: the address to bind (127.0.0.1 unless a cluster node's address is needed).
         dtype / logit_noise / seed / max_batch / threads: server options (``ServerConfig``'s
             fields; an invalid one raises ServerConfigError here, before anything starts).
         entry: the command that serves, before the options (default: this package's server
@@ -40,11 +41,12 @@ class EmbeddedServer:
 
     def __init__(self, checkpoint: str | Path, port: int | None = None, *, dtype: str = "bf16",
                  logit_noise: float = 0.0, seed: int = 0, max_batch: int = 64, threads: int = 1,
-                 entry: Sequence[str] | None = None, log_path: str | Path | None = None,
+                 host: str = "127.0.0.1", entry: Sequence[str] | None = None, log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, watch_parent: bool = True) -> None:
         from training.engines.embedded.server import ServerConfig  # fastapi: only when serving
 
-        self.config = ServerConfig(checkpoint=str(checkpoint), port=port or free_port(),
+        self.config = ServerConfig(checkpoint=str(checkpoint), host=host,
+                                   port=port or free_port(host),
                                    dtype=dtype, logit_noise=logit_noise, seed=seed,
                                    max_batch=max_batch, threads=threads)
         # the server exits if this process is killed

@@ -1,0 +1,277 @@
+"""asyncrl on a real multi-node Ray cluster on this machine (platform/local-cluster.sh: `ray start
+--head` and two worker nodes, each its own raylet, every server on 127.0.0.1), as
+platform/README.md's walk-through drives it: runs started with `asyncrl train --ray-address`, the
+placement they get (read back through Ray's state API), and a worker node lost mid-run.
+
+The cluster: head (1 CPU, the driver's node), worker 1 (2 CPUs, ``train_node: 1``,
+``rollout_node: 1``), worker 2 (2 CPUs, ``rollout_node: 1``). A recipe that asks for
+``trainer: {train_node: 1}`` and two engines of ``rollout: {rollout_node: 1}`` can only be placed
+one way: the trainer and one engine on worker 1, the other engine on worker 2.
+
+Every test runs the CLI in a subprocess (its own Ray driver, as a user's shell would), so this
+pytest process never joins the cluster. The module stops the cluster it started, by the PIDs the
+script recorded, and checks that none of them is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow  # a 3-node cluster and four runs (≈4 min on 2 cores)
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "platform" / "local-cluster.sh"
+STEPS = 3
+RECIPE = {
+    "name": "cluster",
+    "steps": STEPS,
+    "model": {"kind": "warmstart", "warmstart_steps": 60, "hidden_size": 32, "num_layers": 2},
+    "rollout": {"n": 4, "batch_prompts": 4, "max_response_tokens": 16},
+    "engines": {"num_rollout_engines": 2,
+                "placement": {"trainer": {"train_node": 1}, "rollout": {"rollout_node": 1},
+                              "timeout_s": 120}},
+    "async": {"mode": "one_step"},
+    "eval": {"every": 0, "n": 0},
+}
+B = 4 * 4  # samples per step
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of ``pid``'s child processes (/proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        if ppid == pid:
+            out.append((int(stat.parent.name), name))
+    return out
+
+
+class Cluster:
+    def __init__(self, directory: Path, env: dict[str, str]) -> None:
+        self.dir = directory
+        self.env = env
+        self.pids = [int(p) for p in (directory / "pids").read_text().split()]
+
+    def python(self, code: str) -> object:
+        """Run ``code`` connected to the cluster in a fresh process; its last stdout line is
+        JSON."""
+        prelude = ("import json, os, ray\nray.init(address=os.environ['RAY_ADDRESS'], "
+                   "logging_level='ERROR', log_to_driver=False)\n")
+        res = subprocess.run([sys.executable, "-c", prelude + code], env=self.env,
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    def nodes(self) -> dict[str, dict[str, float]]:
+        """node id → resources, live nodes only."""
+        return self.python("print(json.dumps({n['NodeID']: n['Resources'] for n in ray.nodes() "
+                           "if n['Alive']}))")
+
+    def actors(self, since: float) -> list[dict]:
+        """Every actor of the cluster created after ``since`` (epoch s), from Ray's state API
+        (the head's dashboard): class, node, state."""
+        return self.python(
+            "from ray.util.state import list_actors\n"
+            "acts = list_actors(address=os.environ['RAY_DASHBOARD'], detail=True, limit=10000,"
+            " raise_on_missing_output=False)\n"
+            "print(json.dumps([{'cls': a.class_name, 'node': a.node_id, 'state': a.state, "
+            f"'start': (a.start_time_ms or 0) / 1000}} for a in acts if (a.start_time_ms or 0) "
+            f"/ 1000 >= {since}]))")
+
+    def train(self, home: Path, recipe: dict, run_dir: Path, *, wait: bool = True
+              ) -> subprocess.Popen | subprocess.CompletedProcess:
+        path = home / f"{recipe['name']}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        cmd = [sys.executable, "-m", "ui.cli", "train", str(path), "--out", str(run_dir),
+               "--ray-address", self.env["RAY_ADDRESS"], "--checkpoint-every", "1"]
+        env = {**self.env, "ASYNCRL_HOME": str(home)}
+        if wait:
+            return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=600)
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def raylet_of(self, node: int) -> int:
+        """The raylet PID of node ``node`` (0 = head), a child of its `ray start --block`."""
+        (pid,) = [p for p, name in _children(self.pids[node]) if name == "raylet"]
+        return pid
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Cluster:
+    """platform/README.md's first commands: start the cluster, read its env file."""
+    directory = tmp_path_factory.mktemp("cluster")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "PYTHON": sys.executable, "RAY_USAGE_STATS_ENABLED": "0"}
+    for key in ("RAY_ADDRESS", "ASYNCRL_HOME"):
+        env.pop(key, None)
+    start = subprocess.run(["bash", str(SCRIPT), "start", str(directory)], env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert start.returncode == 0, start.stderr[-3000:]
+    for line in (directory / "env").read_text().splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value
+    c = Cluster(directory, env)
+    assert len(c.pids) == 3
+    try:
+        yield c
+    finally:
+        stop = subprocess.run(["bash", str(SCRIPT), "stop", str(directory)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert stop.returncode == 0, stop.stderr
+        assert not [p for p in c.pids if _alive(p)]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip() and "step/eval_only" not in line]
+
+
+def test_the_cluster_listens_on_loopback_only(cluster):
+    nodes = cluster.nodes()
+    assert len(nodes) == 3
+    # every listening socket of the cluster's processes is on 127.0.0.1
+    pids = {p for top in cluster.pids for p in _tree(top)}
+    listening = _listening_inodes()
+    bad = []
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                address = listening[target[8:-1]]
+                if not address.startswith("127.0.0.1:"):
+                    bad.append((pid, address))
+    assert pids and not bad
+
+
+def test_a_run_places_its_trainer_and_engines_where_its_resources_say(cluster, tmp_path):
+    nodes = cluster.nodes()
+    train_node = next(n for n, r in nodes.items() if "train_node" in r)
+    rollout_only = next(n for n, r in nodes.items() if "rollout_node" in r and n != train_node)
+    head = next(n for n, r in nodes.items() if "node:__internal_head__" in r)
+    since = time.time() - 1
+    res = cluster.train(tmp_path, RECIPE, tmp_path / "run")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert rows[-1]["async/trained_samples"] == STEPS * B
+    actors = cluster.actors(since)
+    where = {}
+    for a in actors:
+        where.setdefault(a["cls"], []).append(a["node"])
+    assert where["TrainerWorker"] == [train_node]
+    assert where["Rollouter"] == [train_node] and where["SampleBuffer"] == [train_node]
+    # one engine per rollout_node: worker 1 and worker 2
+    assert sorted(where["EmbeddedEngineActor"]) == sorted([train_node, rollout_only])
+    assert head not in {n for ns in where.values() for n in ns}  # nothing heavy on the head
+
+
+def test_a_run_that_does_not_fit_waits_then_says_what_is_missing(cluster, tmp_path):
+    recipe = {**RECIPE, "name": "too-big",
+              "engines": {**RECIPE["engines"], "num_rollout_engines": 3,
+                          "placement": {**RECIPE["engines"]["placement"], "timeout_s": 5}}}
+    res = cluster.train(tmp_path, recipe, tmp_path / "run")
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert "no room for this run's bundles" in last and "rollout_node: 2" in last
+    assert "Traceback" not in res.stderr
+
+
+def test_losing_an_engine_node_mid_run_loses_nothing(cluster, tmp_path):
+    """kill -9 of worker 2's raylet while the run trains: its engine goes with the node, the
+    run goes on with worker 1's engine and trains every step on every sample."""
+    recipe = {**RECIPE, "name": "lose-node", "steps": 8}
+    run_dir = tmp_path / "run"
+    proc = cluster.train(tmp_path, recipe, run_dir, wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").is_file() and len(_rows(run_dir)) >= 2:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.kill(cluster.raylet_of(2), signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(8))
+    assert rows[-1]["async/trained_samples"] == 8 * B
+    assert rows[-1]["async/engine_ejections"] >= 1
+    assert len(cluster.nodes()) == 2
+
+
+def test_losing_the_trainers_node_stops_the_run_with_a_clear_error(cluster, tmp_path):
+    """After the test above only worker 1 is left (one rollout_node): a one-engine run on it,
+    then its raylet killed: the run stops with one line naming the resume, no traceback."""
+    recipe = {**RECIPE, "name": "lose-trainer", "steps": 20,
+              "engines": {**RECIPE["engines"], "num_rollout_engines": 1}}
+    run_dir = tmp_path / "run"
+    proc = cluster.train(tmp_path, recipe, run_dir, wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run_dir / "metrics.jsonl").is_file() and len(_rows(run_dir)) >= 2:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        os.kill(cluster.raylet_of(1), signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "died" in last and "Traceback" not in err, err[-3000:]
+    assert (run_dir / "checkpoint" / "runtime.json").is_file()  # what a resume starts from
+
+
+def _tree(pid: int) -> set[int]:
+    out = {pid}
+    for child, _ in _children(pid):
+        out |= _tree(child)
+    return out
+
+
+def _listening_inodes() -> dict[str, str]:
+    """socket inode → 'address:port' of every listening TCP socket (/proc/net/tcp, tcp6)."""
+    out = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A":  # LISTEN
+                continue
+            hexaddr, port = f[1].split(":")
+            if width == 8:
+                addr = ".".join(str(int(hexaddr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            else:
+                addr = "v6:" + hexaddr
+            out[f[9]] = f"{addr}:{int(port, 16)}"
+    return out
