@@ -14,7 +14,8 @@
 # DIR receives: env (RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH to export, and
 # RAY_DASHBOARD: the head's dashboard and state API, on 127.0.0.1), token (the
 # cluster's auth token, mode 600), pids (one `ray start --block` PID per node: head first),
-# logs/ (each node's `ray start` output) and ray/ (Ray's session directory).
+# logs/ (each node's `ray start` output) and raytmp (the path of Ray's session directory, a
+# short one under /tmp, removed by `stop`).
 #
 # Why it looks the way it does (Ray 2.60, measured):
 # - A node listens on 127.0.0.1 only when its node address is exactly 127.0.0.1; with any other
@@ -92,7 +93,9 @@ start() {
          "/etc/hosts (e.g. '127.0.0.1 $(hostname)')" >&2
     exit 1
   fi
-  mkdir -p "$DIR/logs" "$DIR/ray"
+  mkdir -p "$DIR/logs"
+  # Ray's session directory holds Unix sockets, whose paths must stay under 108 bytes
+  mktemp -d /tmp/asyncrl-ray-XXXXXX > "$DIR/raytmp"
   (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$DIR/token")
   local gcs dash
   gcs=$(free_port)
@@ -108,7 +111,7 @@ EOF
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "$RAY" start --head --block --node-ip-address=127.0.0.1 \
     --port="$gcs" --num-cpus="$head_cpus" --dashboard-host=127.0.0.1 --dashboard-port="$dash" \
     --ray-client-server-port="$(free_port)" $(node_ports) \
-    --temp-dir="$DIR/ray" > "$DIR/logs/head.log" 2>&1 &
+    --temp-dir="$(cat "$DIR/raytmp")" > "$DIR/logs/head.log" 2>&1 &
   echo $! >> "$DIR/pids"
   export RAY_ADDRESS=$name:$gcs
   wait_nodes 1
@@ -140,6 +143,10 @@ stop() {
   done
   for pid in $(cat "$DIR/pids"); do kill -KILL "$pid" 2>/dev/null || true; done
   : > "$DIR/pids"
+  if [ -s "$DIR/raytmp" ]; then
+    rm -rf "$(cat "$DIR/raytmp")"
+    : > "$DIR/raytmp"
+  fi
   echo "local-cluster: stopped"
 }
 

@@ -295,7 +295,8 @@ class PlacementConfig(_Strict):
     rollout: dict[str, YamlFloat] = Field(default_factory=dict, description=(
         "Ray resources of each rollout engine's bundle (embedded engines; SGLang engines add "
         "them to their GPU bundle). CPU defaults to engines.rollout_threads (1 for SGLang)."))
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description=(
         "Ray's placement strategy for the run's bundles: PACK (as few nodes as possible), "
         "SPREAD (as many as possible), STRICT_* (all on one node / each on its own)."))
     timeout_s: YamlFloat = Field(600.0, gt=0.0, le=86_400.0, description=(

@@ -15,6 +15,7 @@ script recorded, and checks that none of them is left.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -89,23 +90,22 @@ class Cluster:
         return self.python("print(json.dumps({n['NodeID']: n['Resources'] for n in ray.nodes() "
                            "if n['Alive']}))")
 
-    def actors(self, since: float) -> list[dict]:
-        """Every actor of the cluster created after ``since`` (epoch s), from Ray's state API
-        (the head's dashboard): class, node, state."""
+    def actors(self) -> list[dict]:
+        """Every actor the cluster has had (live or dead), from Ray's state API (the head's
+        dashboard): id, class, node, state."""
         return self.python(
             "from ray.util.state import list_actors\n"
             "acts = list_actors(address=os.environ['RAY_DASHBOARD'], detail=True, limit=10000,"
             " raise_on_missing_output=False)\n"
-            "print(json.dumps([{'cls': a.class_name, 'node': a.node_id, 'state': a.state, "
-            f"'start': (a.start_time_ms or 0) / 1000}} for a in acts if (a.start_time_ms or 0) "
-            f"/ 1000 >= {since}]))")
+            "print(json.dumps([{'id': a.actor_id, 'cls': a.class_name, 'node': a.node_id, "
+            "'state': a.state} for a in acts]))")
 
-    def train(self, home: Path, recipe: dict, run_dir: Path, *, wait: bool = True
-              ) -> subprocess.Popen | subprocess.CompletedProcess:
+    def train(self, home: Path, recipe: dict, run_dir: Path, *, wait: bool = True,
+              extra: tuple[str, ...] = ()) -> subprocess.Popen | subprocess.CompletedProcess:
         path = home / f"{recipe['name']}.yaml"
         path.write_text(yaml.safe_dump(recipe))
         cmd = [sys.executable, "-m", "ui.cli", "train", str(path), "--out", str(run_dir),
-               "--ray-address", self.env["RAY_ADDRESS"], "--checkpoint-every", "1"]
+               "--ray-address", self.env["RAY_ADDRESS"], "--checkpoint-every", "1", *extra]
         env = {**self.env, "ASYNCRL_HOME": str(home)}
         if wait:
             return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
@@ -164,7 +164,7 @@ def test_the_cluster_listens_on_loopback_only(cluster):
                 continue
             if target.startswith("socket:[") and target[8:-1] in listening:
                 address = listening[target[8:-1]]
-                if not address.startswith("127.0.0.1:"):
+                if not address.startswith(("127.0.0.1:", "::1:")):
                     bad.append((pid, address))
     assert pids and not bad
 
@@ -174,13 +174,17 @@ def test_a_run_places_its_trainer_and_engines_where_its_resources_say(cluster, t
     train_node = next(n for n, r in nodes.items() if "train_node" in r)
     rollout_only = next(n for n, r in nodes.items() if "rollout_node" in r and n != train_node)
     head = next(n for n, r in nodes.items() if "node:__internal_head__" in r)
-    since = time.time() - 1
-    res = cluster.train(tmp_path, RECIPE, tmp_path / "run")
+    before = {a["id"] for a in cluster.actors()}
+    # platform/README.md's command: the placement given with --set
+    plain = {**RECIPE, "engines": {"num_rollout_engines": 2}}
+    res = cluster.train(tmp_path, plain, tmp_path / "run", extra=(
+        "--set", "engines.placement.trainer={train_node: 1}",
+        "--set", "engines.placement.rollout={rollout_node: 1}"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert rows[-1]["async/trained_samples"] == STEPS * B
-    actors = cluster.actors(since)
+    actors = [a for a in cluster.actors() if a["id"] not in before]  # the run's
     where = {}
     for a in actors:
         where.setdefault(a["cls"], []).append(a["node"])
@@ -269,9 +273,10 @@ def _listening_inodes() -> dict[str, str]:
             if f[3] != "0A":  # LISTEN
                 continue
             hexaddr, port = f[1].split(":")
-            if width == 8:
-                addr = ".".join(str(int(hexaddr[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            else:
-                addr = "v6:" + hexaddr
-            out[f[9]] = f"{addr}:{int(port, 16)}"
+            # each 32-bit word in host (little-endian) order
+            raw = b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1] for i in range(0, width, 8))
+            ip = ipaddress.ip_address(raw)
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+            out[f[9]] = f"{ip}:{int(port, 16)}"
     return out

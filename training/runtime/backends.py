@@ -26,7 +26,6 @@ from training.recipe import Recipe
 from training.runtime.placement import RunPlacement
 
 if TYPE_CHECKING:
-    from training.engines.embedded.launch import EmbeddedServer
     from training.engines.sglang.fleet import SGLangFleet
 
 __all__ = ["BackendError", "EmbeddedBackend", "RolloutBackend", "SGLangBackend",

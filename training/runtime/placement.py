@@ -21,6 +21,7 @@ that costs).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,10 +119,8 @@ class RunPlacement:
             return
         from ray.util.placement_group import remove_placement_group
 
-        try:
+        with contextlib.suppress(Exception):  # the cluster is gone: the group went with it
             remove_placement_group(self.group)
-        except Exception:  # the cluster is gone: the group went with it
-            pass
         self.group = None
 
 

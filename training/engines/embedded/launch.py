@@ -41,7 +41,8 @@ class EmbeddedServer:
 
     def __init__(self, checkpoint: str | Path, port: int | None = None, *, dtype: str = "bf16",
                  logit_noise: float = 0.0, seed: int = 0, max_batch: int = 64, threads: int = 1,
-                 host: str = "127.0.0.1", entry: Sequence[str] | None = None, log_path: str | Path | None = None,
+                 host: str = "127.0.0.1",
+                 entry: Sequence[str] | None = None, log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, watch_parent: bool = True) -> None:
         from training.engines.embedded.server import ServerConfig  # fastapi: only when serving
 

@@ -75,7 +75,10 @@ class SGLangFleet:
 
         e = self.recipe.engines
         n = e.num_rollout_engines
-        bundle = {"CPU": 1.0, **({"GPU": self.gpus_per_engine} if self.gpus_per_engine else {})}
+        custom = {k: float(v) for k, v in e.placement.rollout.items()
+                  if k not in ("CPU", "GPU") and float(v) > 0}  # engines.placement.rollout
+        bundle = {"CPU": 1.0, **({"GPU": self.gpus_per_engine} if self.gpus_per_engine else {}),
+                  **custom}
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         ready = self._pg.ready()
         done, _ = ray.wait([ready], timeout=self.placement_timeout_s)
@@ -98,8 +101,8 @@ class SGLangFleet:
             strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                         placement_group_bundle_index=i)
             self.actors.append(remote.options(
-                num_cpus=1, num_gpus=self.gpus_per_engine, max_concurrency=8, max_restarts=0,
-                scheduling_strategy=strategy).remote(
+                num_cpus=1, num_gpus=self.gpus_per_engine, resources=custom or None,
+                max_concurrency=8, max_restarts=0, scheduling_strategy=strategy).remote(
                 data, i, self.checkpoint, self.version, host=self.host,
                 command=self.command, log_dir=str(self.log_dir)))
         refs = [a.start.remote() for a in self.actors]
