@@ -9,7 +9,8 @@
 #   source DIR/env                                                 # RAY_ADDRESS + the token
 #   platform/local-cluster.sh stop DIR
 #
-# Default workers: '2:{"train_node": 1, "rollout_node": 1}' and '2:{"rollout_node": 1}'.
+# Default workers: '2:{"worker": 2, "train_node": 1, "rollout_node": 1}' and
+# '2:{"worker": 2, "rollout_node": 1}'.
 #
 # DIR receives: env (RAY_ADDRESS, RAY_AUTH_MODE, RAY_AUTH_TOKEN_PATH to export, and
 # RAY_DASHBOARD: the head's dashboard and state API, on 127.0.0.1), token (the
@@ -81,7 +82,7 @@ start() {
   local head_cpus=${1:-1}
   [ $# -gt 0 ] && shift
   local workers=("$@")
-  [ ${#workers[@]} -gt 0 ] || workers=('2:{"train_node": 1, "rollout_node": 1}' '2:{"rollout_node": 1}')
+  [ ${#workers[@]} -gt 0 ] || workers=('2:{"worker": 2, "train_node": 1, "rollout_node": 1}' '2:{"worker": 2, "rollout_node": 1}')
   if [ -s "$DIR/pids" ]; then
     echo "local-cluster: $DIR already holds a cluster (stop it first: $0 stop $DIR)" >&2
     exit 1

@@ -9,28 +9,24 @@ The cluster: head (1 CPU, the driver's node), worker 1 (2 CPUs, ``train_node: 1`
 one way: the trainer and one engine on worker 1, the other engine on worker 2.
 
 Every test runs the CLI in a subprocess (its own Ray driver, as a user's shell would), so this
-pytest process never joins the cluster. The module stops the cluster it started, by the PIDs the
-script recorded, and checks that none of them is left.
+pytest process never joins the cluster. The cluster is the session's (tests/cluster/conftest.py,
+shared with test_campaign_on_cluster.py, which runs first); the last two tests here take its
+worker nodes away one after the other.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
+from cluster_helpers import listening_addresses, process_tree
 
 pytestmark = pytest.mark.slow  # a 3-node cluster and four runs (≈4 min on 2 cores)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "platform" / "local-cluster.sh"
 STEPS = 3
 RECIPE = {
     "name": "cluster",
@@ -46,104 +42,6 @@ RECIPE = {
 B = 4 * 4  # samples per step
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command name) of ``pid``'s child processes (/proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        ppid = int(text[text.rindex(")") + 2:].split()[1])
-        if ppid == pid:
-            out.append((int(stat.parent.name), name))
-    return out
-
-
-class Cluster:
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
-        self.dir = directory
-        self.env = env
-        self.pids = [int(p) for p in (directory / "pids").read_text().split()]
-
-    def python(self, code: str) -> object:
-        """Run ``code`` connected to the cluster in a fresh process; its last stdout line is
-        JSON."""
-        prelude = ("import json, os, ray\nray.init(address=os.environ['RAY_ADDRESS'], "
-                   "logging_level='ERROR', log_to_driver=False)\n")
-        res = subprocess.run([sys.executable, "-c", prelude + code], env=self.env,
-                             capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0, res.stderr[-2000:]
-        return json.loads(res.stdout.strip().splitlines()[-1])
-
-    def nodes(self) -> dict[str, dict[str, float]]:
-        """node id → resources, live nodes only."""
-        return self.python("print(json.dumps({n['NodeID']: n['Resources'] for n in ray.nodes() "
-                           "if n['Alive']}))")
-
-    def actors(self) -> list[dict]:
-        """Every actor the cluster has had (live or dead), from Ray's state API (the head's
-        dashboard): id, class, node, state."""
-        return self.python(
-            "from ray.util.state import list_actors\n"
-            "acts = list_actors(address=os.environ['RAY_DASHBOARD'], detail=True, limit=10000,"
-            " raise_on_missing_output=False)\n"
-            "print(json.dumps([{'id': a.actor_id, 'cls': a.class_name, 'node': a.node_id, "
-            "'state': a.state} for a in acts]))")
-
-    def train(self, home: Path, recipe: dict, run_dir: Path, *, wait: bool = True,
-              extra: tuple[str, ...] = ()) -> subprocess.Popen | subprocess.CompletedProcess:
-        path = home / f"{recipe['name']}.yaml"
-        path.write_text(yaml.safe_dump(recipe))
-        cmd = [sys.executable, "-m", "ui.cli", "train", str(path), "--out", str(run_dir),
-               "--ray-address", self.env["RAY_ADDRESS"], "--checkpoint-every", "1", *extra]
-        env = {**self.env, "ASYNCRL_HOME": str(home)}
-        if wait:
-            return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=600)
-        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-
-    def raylet_of(self, node: int) -> int:
-        """The raylet PID of node ``node`` (0 = head), a child of its `ray start --block`."""
-        (pid,) = [p for p, name in _children(self.pids[node]) if name == "raylet"]
-        return pid
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Cluster:
-    """platform/README.md's first commands: start the cluster, read its env file."""
-    directory = tmp_path_factory.mktemp("cluster")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHON": sys.executable, "RAY_USAGE_STATS_ENABLED": "0"}
-    for key in ("RAY_ADDRESS", "ASYNCRL_HOME"):
-        env.pop(key, None)
-    start = subprocess.run(["bash", str(SCRIPT), "start", str(directory)], env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert start.returncode == 0, start.stderr[-3000:]
-    for line in (directory / "env").read_text().splitlines():
-        key, _, value = line.removeprefix("export ").partition("=")
-        env[key] = value
-    c = Cluster(directory, env)
-    assert len(c.pids) == 3
-    try:
-        yield c
-    finally:
-        stop = subprocess.run(["bash", str(SCRIPT), "stop", str(directory)], env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert stop.returncode == 0, stop.stderr
-        assert not [p for p in c.pids if _alive(p)]
-
-
 def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip() and "step/eval_only" not in line]
@@ -153,8 +51,8 @@ def test_the_cluster_listens_on_loopback_only(cluster):
     nodes = cluster.nodes()
     assert len(nodes) == 3
     # every listening socket of the cluster's processes is on 127.0.0.1
-    pids = {p for top in cluster.pids for p in _tree(top)}
-    listening = _listening_inodes()
+    pids = {p for top in cluster.pids for p in process_tree(top)}
+    listening = listening_addresses()
     bad = []
     for pid in pids:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
@@ -255,28 +153,3 @@ def test_losing_the_trainers_node_stops_the_run_with_a_clear_error(cluster, tmp_
     last = err.strip().splitlines()[-1]
     assert "died" in last and "Traceback" not in err, err[-3000:]
     assert (run_dir / "checkpoint" / "runtime.json").is_file()  # what a resume starts from
-
-
-def _tree(pid: int) -> set[int]:
-    out = {pid}
-    for child, _ in _children(pid):
-        out |= _tree(child)
-    return out
-
-
-def _listening_inodes() -> dict[str, str]:
-    """socket inode → 'address:port' of every listening TCP socket (/proc/net/tcp, tcp6)."""
-    out = {}
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] != "0A":  # LISTEN
-                continue
-            hexaddr, port = f[1].split(":")
-            # each 32-bit word in host (little-endian) order
-            raw = b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1] for i in range(0, width, 8))
-            ip = ipaddress.ip_address(raw)
-            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-                ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
-            out[f[9]] = f"{ip}:{int(port, 16)}"
-    return out
