@@ -24,6 +24,12 @@ checkpoint, at this stage's steps/samples — through the same tasks (its own ML
 registry row; judged on the stage's absolute gates, never promoted), and the relative gates of
 its candidates read that run's summary.
 
+A stage's runs train up to ``parallel`` at once (:meth:`_Flow.run_all`: worker threads in the
+flow run's context; each run its own Ray placement group, so the recipes' resources decide how
+many fit). ``first_passing`` goes in waves of ``parallel`` candidates and stops after the first
+wave with a passing candidate, promoting the first passing one in listed order: the candidate
+the sequential order promotes (docs/campaigns.md "Candidates in parallel").
+
 Tasks declare retries and persist their results keyed by campaign id + stage + candidate +
 recipe hash, and the registry is the source of truth for what finished: re-running or resuming a
 campaign (also after ``kill -9``) skips finished work and continues the rest. When no candidate
@@ -32,15 +38,19 @@ of a stage passes, the campaign stops with a verdict and a decision-tree diagnos
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import math
 import re
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,12 +121,30 @@ def campaign_dir(campaign_id: str) -> Path:
     return state_dir() / "campaigns" / campaign_id
 
 
+# Runs of a stage in parallel emit from their worker threads: listeners (the CLI's live table
+# mutates a dict it also renders) see one event at a time.
+_EVENTS_LOCK = threading.RLock()
+
+
 def _emit(events: EventFn | None, event: CampaignEvent) -> None:
     if events is not None:
         try:
-            events(event)
+            with _EVENTS_LOCK:
+                events(event)
         except Exception:  # a display callback never breaks the campaign
             log.debug("event callback failed", exc_info=True)
+
+
+#: Set (by :meth:`_Flow.run_all`) in the context of runs trained in parallel: once the event is
+#: set, a run still training stops after its current step (resumable from its last checkpoint).
+#: A worker thread cannot get Ctrl-C's KeyboardInterrupt; this is how it hears of it.
+_STOP_RUNS: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "asyncrl_stop_runs", default=None)
+
+#: The warm start trains in this process with torch's global seed and thread count
+#: (training.engines.warmstart), and two runs starting at once would both train the same
+#: cache entry: runs in parallel take their turn here before they start.
+_WARM_START_LOCK = threading.Lock()
 
 
 #: Called with the name of each point the flow passes that a crash could split: ``judged:<stage>``
@@ -164,7 +192,7 @@ def _run_candidate(db: Any, campaign_id: str, stage: str, candidate: str, recipe
                    recipe: Recipe, mlflow_run_id: str | None,
                    tracking_uri: str | None) -> TrainedRun:
     from flows.tracking import Tracker
-    from training.runtime.run import run_recipe
+    from training.runtime.run import initial_checkpoint, run_recipe
 
     run_dir = campaign_dir(campaign_id) / stage / candidate
     run_id = db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="running",
@@ -186,7 +214,14 @@ def _run_candidate(db: Any, campaign_id: str, stage: str, candidate: str, recipe
     if resume is None and run_dir.exists():
         import shutil
         shutil.rmtree(run_dir)  # a start that died before its first checkpoint
+    if resume is None:
+        with _WARM_START_LOCK:  # cached for the run itself (see _WARM_START_LOCK)
+            initial_checkpoint(recipe)
+    stop = _STOP_RUNS.get()
+
     def progress(step: int, total: int, metrics: Mapping[str, float]) -> None:
+        if stop is not None and stop.is_set():  # caught by the run: interrupted, resumable
+            raise KeyboardInterrupt
         reward = metrics.get("rollout/reward_mean")
         _emit(_to_listeners, StepEvent(stage, candidate, step, total,
                                        None if reward is None else float(reward)))
@@ -579,34 +614,43 @@ class _Flow:
         _emit(self.events, StageEvent(stage.name, "running"))
         # a re-run reference runs the stage's seeds; a candidate's seed j is judged against the
         # reference's seed j, or its seed 0 where the reference has fewer seeds
-        ref_summaries: list[dict[str, dict[str, float]]] = []
-        ref_dirs: list[dict[str, str]] = []
-        for j in range(stage.seeds):
-            ref_summaries.append(dict(ladder.references))
-            ref_dirs.append({})
-            for ref, ref_recipe in built.references.items():  # rerun_reference
-                o = self.train_and_judge(stage, seed_name(reference_name(ref), j),
-                                         seeded(ref_recipe, j), references={},
-                                         reference_runs={}, absolute_only=True)
-                ref_summaries[j][ref] = o.report.summary_for_reference
-                ref_dirs[j][ref] = o.run.run_dir
+        parallel = self.campaign.parallel_for(stage)
+        ref_summaries = [dict(ladder.references) for _ in range(stage.seeds)]
+        ref_dirs: list[dict[str, str]] = [{} for _ in range(stage.seeds)]
+        refs = [(j, ref, ref_recipe) for j in range(stage.seeds)
+                for ref, ref_recipe in built.references.items()]  # rerun_reference
+        done = self.run_all([functools.partial(
+            self.train_and_judge, stage, seed_name(reference_name(ref), j),
+            seeded(ref_recipe, j), references={}, reference_runs={}, absolute_only=True)
+            for j, ref, ref_recipe in refs], parallel)
+        for (j, ref, _), o in zip(refs, done, strict=True):
+            ref_summaries[j][ref] = o.report.summary_for_reference
+            ref_dirs[j][ref] = o.run.run_dir
 
         def judged_against(j: int) -> int:
             return j if j < len(ref_summaries) else 0
 
+        # first_passing: waves of `parallel` candidates in listed order, each wave's runs (every
+        # seed) at most `parallel` at once; the first wave with a passing candidate is the last,
+        # and its first passing candidate is the first passing one in listed order: the
+        # sequential order's winner. best_eval judges every candidate: one wave.
         outcomes: list[CandidateOutcome] = []
-        for cand, recipe in built.candidates:
-            runs = [self.train_and_judge(stage, seed_name(cand.name, j), seeded(recipe, j),
-                                         references=ref_summaries[judged_against(j)],
-                                         reference_runs=ref_dirs[judged_against(j)])
-                    for j in range(stage.seeds_for(cand))]
-            o = dataclasses.replace(runs[0], more_seeds=tuple(runs[1:]))
-            outcomes.append(o)
-            if stage.promotion == "first_passing" and o.passed:
+        wave_size = parallel if stage.promotion == "first_passing" else len(built.candidates)
+        for w in range(0, len(built.candidates), wave_size):
+            wave = built.candidates[w:w + wave_size]
+            runs = iter(self.run_all([functools.partial(
+                self.train_and_judge, stage, seed_name(cand.name, j), seeded(recipe, j),
+                references=ref_summaries[judged_against(j)],
+                reference_runs=ref_dirs[judged_against(j)])
+                for cand, recipe in wave for j in range(stage.seeds_for(cand))], parallel))
+            for cand, _ in wave:
+                seeds = [next(runs) for _ in range(stage.seeds_for(cand))]
+                outcomes.append(dataclasses.replace(seeds[0], more_seeds=tuple(seeds[1:])))
+            if stage.promotion == "first_passing" and any(o.passed for o in outcomes[-len(wave):]):
                 break
         winner, why = _choose(stage, outcomes)
         if winner is None and stage.remediate is not None:
-            self.remediate(stage, outcomes, ref_summaries, ref_dirs)
+            self.remediate(stage, outcomes, ref_summaries, ref_dirs, parallel)
             winner, why = _choose(stage, outcomes)
         ladder.outcome.gate_notes += gate_notes(stage.name, outcomes, stopped=winner is None)
         publish_stage_report(self.campaign_id, stage.name, lambda: stage_report(
@@ -652,10 +696,12 @@ class _Flow:
 
     def remediate(self, stage: Stage, outcomes: list[CandidateOutcome],
                   ref_summaries: list[dict[str, dict[str, float]]],
-                  ref_dirs: list[dict[str, str]]) -> None:
+                  ref_dirs: list[dict[str, str]], parallel: int = 1) -> None:
         """Every candidate failed: try the remedies the failing runs' diagnoses prescribe
         (:mod:`registry.remediation`), each as candidate ``remedy-<k>`` on top of the last, up to
-        ``remediate.max_attempts``; their outcomes are appended to ``outcomes``. Each attempt is
+        ``remediate.max_attempts``; their outcomes are appended to ``outcomes``. The attempts go
+        one after another (each builds on the last); an attempt's seeds run ``parallel`` at
+        once. Each attempt is
         recorded in the registry (cause, evidence, override, the diagnosis it came from) before
         it trains and again with its verdict, and its MLflow run is tagged with it."""
         from registry.remediation import Attempt, FailedGate, propose, remedy_name
@@ -686,11 +732,12 @@ class _Flow:
             about = (f"remediation {attempt} of {base.candidate}: cause {remedy.cause} "
                      f"({remedy.title}), proposed by {remedy.source}; override "
                      + json.dumps(remedy.override, sort_keys=True))
-            runs = [self.train_and_judge(stage, seed_name(name, j), seeded(recipe, j),
-                                         references=ref_summaries[min(j, len(ref_summaries) - 1)],
-                                         reference_runs=ref_dirs[min(j, len(ref_dirs) - 1)],
-                                         about=about, remediation=this)
-                    for j in range(len(base.all_seeds))]  # as many seeds as what it repairs
+            runs = self.run_all([functools.partial(
+                self.train_and_judge, stage, seed_name(name, j), seeded(recipe, j),
+                references=ref_summaries[min(j, len(ref_summaries) - 1)],
+                reference_runs=ref_dirs[min(j, len(ref_dirs) - 1)], about=about,
+                remediation=this)
+                for j in range(len(base.all_seeds))], parallel)  # as many seeds as it repairs
             o = dataclasses.replace(runs[0], more_seeds=tuple(runs[1:]))
             outcomes.append(o)
             self.db.record_remediation(self.campaign_id, stage.name, attempt,
@@ -759,6 +806,59 @@ class _Flow:
             if png is not None:
                 self.parent.log_file(png)
         self.parent.end("FINISHED" if outcome.status == "finished" else "FAILED")
+
+    def run_all(self, calls: Sequence[Callable[[], CandidateOutcome]], parallel: int
+                ) -> list[CandidateOutcome]:
+        """Run ``calls`` (each trains and judges one run: :meth:`train_and_judge`), at most
+        ``parallel`` at once, started in the order given; their outcomes in that order.
+        ``parallel`` 1: one after another in this thread, as before there was a choice.
+        Otherwise each runs in a worker thread, in a copy of this thread's context: the Prefect
+        flow run and its tags, so its task runs are this flow run's, named and cached as
+        always. When one raises, or Ctrl-C reaches this thread, the runs not started are
+        cancelled and those training stop after their current step (:data:`_STOP_RUNS`:
+        resumable from their last checkpoint); once all have ended the error is raised (a
+        run's own, not the interruption of one it stopped)."""
+        if parallel <= 1 or len(calls) <= 1:
+            return [call() for call in calls]
+        stop = threading.Event()
+
+        def run(call: Callable[[], CandidateOutcome]) -> CandidateOutcome | None:
+            if stop.is_set():  # an earlier run failed: this one does not start
+                return None
+            try:
+                return call()
+            except BaseException:
+                stop.set()  # before this worker takes the next run
+                raise
+
+        token = _STOP_RUNS.set(stop)
+        try:  # one context copy per run: a context is entered by one thread at a time
+            contexts = [contextvars.copy_context() for _ in calls]
+        finally:
+            _STOP_RUNS.reset(token)
+        pool = ThreadPoolExecutor(max_workers=min(parallel, len(calls)),
+                                  thread_name_prefix=f"asyncrl-run-{self.campaign_id}")
+        futures = [pool.submit(ctx.run, run, call)
+                   for ctx, call in zip(contexts, calls, strict=True)]
+        error: BaseException | None = None
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            errors = [e for f in futures if f.done() and (e := f.exception()) is not None]
+            # a run's own error, not the KeyboardInterrupt of a run it stopped
+            error = next((e for e in errors if not isinstance(e, KeyboardInterrupt)),
+                         errors[0] if errors else None)
+        except BaseException as e:  # Ctrl-C (KeyboardInterrupt) while the runs train
+            error = e
+        if error is not None:
+            stop.set()
+            log.warning("stopping the runs in flight (%s: %s); they resume from their last "
+                        "checkpoint", type(error).__name__, error)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise error
+        pool.shutdown()
+        outcomes = [f.result() for f in futures]
+        assert all(o is not None for o in outcomes), "a run was skipped without an error"
+        return outcomes  # type: ignore[return-value]
 
     def train_and_judge(self, stage: Stage, name: str, recipe: Recipe, *,
                         references: dict[str, dict[str, float]], reference_runs: dict[str, str],

@@ -77,6 +77,7 @@ _MAX_STEPS = 1_000_000
 
 MAX_SEEDS = 16
 MAX_REMEDIATION_ATTEMPTS = 5
+MAX_PARALLEL = 64
 
 
 def seed_name(candidate: str, j: int) -> str:
@@ -212,6 +213,9 @@ class Stage(_Strict):
         "their async section (the reference runs this stage's task in its own async mode) and "
         "this stage's steps or samples (candidate 'reference-<stage>', never promoted); those "
         "gates compare against the re-run. Needs steps or samples."))
+    parallel: YamlOptInt = Field(None, ge=1, le=MAX_PARALLEL, description=(
+        "Runs of this stage trained at once (null: the campaign's `parallel`); see the "
+        "campaign's `parallel`."))
 
     _overrides = field_validator("overrides")(_plain)
 
@@ -314,6 +318,18 @@ class Campaign(_Strict):
         "moves it (after a run it names the last stage promoted, even a partial ladder's); "
         "final: only the last stage's promotion does, so champion always names the winner of a "
         "whole ladder and a campaign that stops early leaves it where it was."))
+    parallel: YamlInt = Field(1, ge=1, le=MAX_PARALLEL, description=(
+        "Runs of a stage (candidates, their seeds, re-run references) trained at once, each "
+        "with its own placement group: a cap, the recipes' resources decide how many fit "
+        "(a run that does not fit waits). 1: one after another. With first_passing the "
+        "candidates go in waves of `parallel` in listed order and the first wave with a "
+        "passing candidate ends the stage; the promoted candidate is the one the sequential "
+        "order promotes (docs/campaigns.md). A stage's own `parallel` overrides it."))
+
+    def parallel_for(self, stage: Stage) -> int:
+        """How many runs of ``stage`` train at once (its own ``parallel``, else the
+        campaign's)."""
+        return stage.parallel if stage.parallel is not None else self.parallel
 
     def champion_moves(self, stage: str) -> bool:
         """Whether promoting ``stage`` moves the ``champion`` alias under :attr:`champion`."""
