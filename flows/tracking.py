@@ -81,6 +81,11 @@ TAG_CANDIDATE = "asyncrl.candidate"
 TAG_RECIPE_HASH = "asyncrl.recipe_hash"
 TAG_MODE = "asyncrl.mode"
 TAG_LOGGED_UNTIL = "asyncrl.logged_until_step"
+STEP_MARK = "asyncrl/step"
+"""A metric the sink logs as the last point of every step it sends (value = the step): MLflow
+stores a ``log_batch``'s points and its tags in separate transactions, so a ``kill -9`` between the
+two leaves points stored with the watermark tag behind; the highest step of this metric's history
+then says what is stored (a step's points go in one request, and the mark is its last point)."""
 TAG_PROMOTED = "asyncrl.promoted"  # "true" on a candidate run its stage promoted
 TAG_CHAMPION = "asyncrl.champion"  # on the parent run: "<stage>/<candidate>" promoted last
 TAG_DESCRIPTION = "mlflow.note.content"  # what MLflow's UI shows as a run's description
@@ -613,9 +618,12 @@ class MLflowSink:
         self.logged_until_step = self._read_watermark()
 
     def _read_watermark(self) -> int:
+        """The last step whose points are all in MLflow: the watermark tag, or the step mark's
+        highest step when the tag fell behind (:data:`STEP_MARK`)."""
         try:
             tag = self.client.get_run(self.run_id).data.tags.get(TAG_LOGGED_UNTIL)
-            return int(tag) if tag is not None else -1
+            marks = self.client.get_metric_history(self.run_id, STEP_MARK)
+            return max([int(tag) if tag is not None else -1] + [int(m.step) for m in marks])
         except Exception as err:  # tolerated: assume a fresh run
             log.warning("MLflow run %s: could not read %s (%s: %s); assuming nothing is logged "
                         "yet", self.run_id, TAG_LOGGED_UNTIL, type(err).__name__, err)
@@ -677,8 +685,13 @@ class MLflowSink:
                 self._open.append(Metric(metric_key(key), v, timestamp_ms, step))
 
     def _finish_open_step(self) -> None:
+        from mlflow.entities import Metric
+
         if self._open_step is None:
             return
+        if self._open:  # the step's last point: what a resume reads back (STEP_MARK)
+            self._open.append(Metric(STEP_MARK, float(self._open_step), self._open[-1].timestamp,
+                                     self._open_step))
         self._done.extend(self._open)
         self._done_through = self._open_step if self._done_through is None \
             else max(self._done_through, self._open_step)

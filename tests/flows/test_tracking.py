@@ -8,6 +8,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.tracking import (
+    STEP_MARK,
     TAG_LOGGED_UNTIL,
     MLflowSink,
     Tracker,
@@ -160,7 +161,7 @@ def test_sink_skips_non_finite_and_sanitises_keys(tracker):
     sink.log(1, {"a": 3.0})
     sink.close()
     metrics = tracker.client.get_run(run_id).data.metrics
-    assert metrics == {"a": 3.0, "c": 1.5, "f": 1.0, "bad key_": 2.0}
+    assert metrics == {"a": 3.0, "c": 1.5, "f": 1.0, "bad key_": 2.0, STEP_MARK: 1.0}
     assert [s for s, _ in _history(tracker, run_id, "a")] == [1]
 
 
@@ -203,6 +204,32 @@ def test_resume_after_a_crash_logs_every_step_once(tracker):
     resumed.log(60, {"x/k0": 60.0})  # the resumed trainer goes on with the same sink
     resumed.close()
     assert [s for s, _ in _history(tracker, run_id, "x/k0")] == list(range(61))
+
+
+def test_points_stored_without_their_watermark_are_not_sent_again(tracker, monkeypatch):
+    """MLflow stores a log_batch's points and its tags in separate transactions: a kill -9
+    between the two leaves steps stored above the watermark tag. A resumed sink reads the step
+    mark's history and sends none of them again."""
+    run_id = _run(tracker, "exp-torn")
+    rows = _rows(10)
+    real = tracker.client.log_batch
+
+    def points_only(run_id, metrics=(), tags=(), **kw):  # the tag's transaction never happened
+        return real(run_id, metrics=metrics, tags=[], **kw)
+
+    monkeypatch.setattr(tracker.client, "log_batch", points_only)
+    live = MLflowSink(tracker.client, run_id, flush_every=1)
+    for row in rows[:6]:
+        live.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")})
+    monkeypatch.setattr(tracker.client, "log_batch", real)
+    assert TAG_LOGGED_UNTIL not in tracker.client.get_run(run_id).data.tags
+    stored = [s for s, _ in _history(tracker, run_id, "x/k0")]
+    assert len(stored) >= 3 and stored == list(range(len(stored)))  # whole steps, in order
+    resumed = tracker.sink(run_id)
+    assert resumed.logged_until_step == stored[-1]
+    resumed.log_history(rows)
+    assert [s for s, _ in _history(tracker, run_id, "x/k0")] == list(range(10))  # once each
+    assert [s for s, _ in _history(tracker, run_id, STEP_MARK)] == list(range(10))
 
 
 def test_sink_retries_failed_sends_and_gives_up_without_raising(tracker, monkeypatch, caplog):
