@@ -62,6 +62,7 @@ from flows.events import (
     CampaignEvent,
     CandidateEvent,
     EventFn,
+    PredictionEvent,
     PromotedEvent,
     RemediationEvent,
     StageEvent,
@@ -533,6 +534,7 @@ class _Flow:
     registry_url: str | None
     tracking_uri: str | None
     events: EventFn | None
+    calibration: Any = None  # the campaign's `simulate` calibration, if any
 
     @classmethod
     def start(cls, launch: Launch, *, tracking_uri: str | None,
@@ -554,8 +556,11 @@ class _Flow:
         _start_ray()
         plots = PlotQueue(tracker)
         plots.recover(campaign_dir(launch.campaign_id))
+        from registry.campaign import simulation_calibration
+
         return cls(launch.campaign, launch.campaign_id, launch.db, parent, plots,
-                   launch.registry_url, tracking_uri, events)
+                   launch.registry_url, tracking_uri, events,
+                   simulation_calibration(launch.campaign, launch.path.parent))
 
     def abort(self, error: BaseException) -> None:
         """An exception ends the run: the campaign is failed (stopped on Ctrl-C) with the
@@ -612,6 +617,7 @@ class _Flow:
                               start=ladder.start)
         self.db.upsert_stage(self.campaign_id, stage.name, index, "running")
         _emit(self.events, StageEvent(stage.name, "running"))
+        self.predict(stage, built.candidates)
         # a re-run reference runs the stage's seeds; a candidate's seed j is judged against the
         # reference's seed j, or its seed 0 where the reference has fewer seeds
         parallel = self.campaign.parallel_for(stage)
@@ -806,6 +812,23 @@ class _Flow:
             if png is not None:
                 self.parent.log_file(png)
         self.parent.end("FINISHED" if outcome.status == "finished" else "FAILED")
+
+    def predict(self, stage: Stage, candidates: Sequence[tuple[Any, Recipe]]) -> None:
+        """With the campaign's ``simulate`` calibration: each candidate's predicted step time and
+        speed-up over colocated sync (:func:`training.sim.predict`), as events. Information
+        only: a prediction that cannot be made is a warning, never a failure."""
+        if self.calibration is None:
+            return
+        from training.sim import predict
+
+        for cand, recipe in candidates:
+            try:
+                p = predict(recipe, self.calibration)
+            except Exception as e:  # information only
+                log.warning("stage %s/%s: no prediction (%s)", stage.name, cand.name, e)
+                continue
+            _emit(self.events, PredictionEvent(stage.name, cand.name, p.mode, p.step_time_s,
+                                               p.speedup))
 
     def run_all(self, calls: Sequence[Callable[[], CandidateOutcome]], parallel: int
                 ) -> list[CandidateOutcome]:

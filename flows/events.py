@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from registry.gates import GateResult
 
-__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PromotedEvent", "RemediationEvent",
-           "StageEvent", "StepEvent"]
+__all__ = ["CampaignEvent", "CandidateEvent", "EventFn", "PredictionEvent", "PromotedEvent",
+           "RemediationEvent", "StageEvent", "StepEvent"]
 
 
 @dataclass(frozen=True)
@@ -90,5 +90,24 @@ class RemediationEvent:
                 f"cause {self.cause} ({self.title}) → {self.candidate} with {keys}")
 
 
-CampaignEvent = StageEvent | CandidateEvent | StepEvent | PromotedEvent | RemediationEvent
+@dataclass(frozen=True)
+class PredictionEvent:
+    """Before ``stage`` trains: what ``asyncrl simulate`` predicts for ``candidate``'s async
+    settings on the campaign's ``simulate`` calibration (information only, never a gate)."""
+
+    stage: str
+    candidate: str
+    mode: str
+    step_time_s: float
+    speedup: float
+
+    @property
+    def line(self) -> str:
+        return (f"{self.stage}/{self.candidate}: predicted {self.speedup:.2f}x over colocated "
+                f"sync ({self.mode}, {self.step_time_s:.4g} s per step; asyncrl simulate, "
+                "information only)")
+
+
+CampaignEvent = (StageEvent | CandidateEvent | StepEvent | PromotedEvent | RemediationEvent
+                 | PredictionEvent)
 EventFn = Callable[[CampaignEvent], None]

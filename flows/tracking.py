@@ -21,7 +21,9 @@ Resume without duplicates. MLflow only appends metric points, so the run carries
 ``asyncrl.logged_until_step`` = N, meaning "every point of every step <= N is in MLflow". The sink
 only ever sends whole steps (a step is complete when a later step arrives, or at ``close``; only a
 single step of more than 999 metrics is split), and the watermark travels in the same
-``log_batch`` request as the points that complete it, so it is never ahead of the data; after a
+``log_batch`` request as the points that complete it, so it is never ahead of the data (MLflow
+commits the request's points and tags separately, so a kill between them can leave the tag behind:
+every sent step ends with a :data:`STEP_MARK` point, whose history a new sink reads too); after a
 failed request the unsent points stay buffered in order, so it is never behind what was sent
 either. A new sink on the same run (a resumed campaign) reads the watermark and skips every step
 <= N, both from the live trainer and in :meth:`MLflowSink.log_history`. Consequence: steps a

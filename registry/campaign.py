@@ -46,6 +46,7 @@ from training.recipe import (
     check_path_name,
     recipe_from_dict,
 )
+from training.sim.calibration import Calibration, CalibrationError, load_calibration
 from training.yamlfile import (
     PlainDataError,
     YamlBool,
@@ -68,6 +69,7 @@ __all__ = [
     "campaign_json_schema",
     "load_campaign",
     "reference_name",
+    "simulation_calibration",
     "stage_recipes",
 ]
 
@@ -326,6 +328,12 @@ class Campaign(_Strict):
         "passing candidate ends the stage; the promoted candidate is the one the sequential "
         "order promotes (docs/campaigns.md). A stage's own `parallel` overrides it."))
 
+    simulate: str | None = Field(None, description=(
+        "A calibration file of `asyncrl simulate` (relative to the campaign file), e.g. "
+        "benchmarks/sim/seed-002.yaml: before each stage the campaign prints each candidate's "
+        "predicted step time and speed-up over colocated sync for its async settings on that "
+        "set-up (docs/simulator.md). Information only, never a gate."))
+
     def parallel_for(self, stage: Stage) -> int:
         """How many runs of ``stage`` train at once (its own ``parallel``, else the
         campaign's)."""
@@ -453,6 +461,19 @@ def resolve_base(campaign: Campaign, source_dir: Path) -> Recipe:
         raise CampaignError(str(e)) from None
 
 
+def simulation_calibration(campaign: Campaign, source_dir: Path) -> Calibration | None:
+    """The calibration ``simulate`` names (read relative to the campaign), or None."""
+    if campaign.simulate is None:
+        return None
+    path = Path(campaign.simulate)
+    if not path.is_absolute():
+        path = source_dir / path
+    try:
+        return load_calibration(path)
+    except CalibrationError as e:
+        raise CampaignError(f"simulate: {str(e).splitlines()[0]}") from None
+
+
 def _without_async(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """``overrides`` less the ``async`` section, nested (``async: {...}``) or dotted
     (``async.mode``): what a stage's re-run reference keeps of the stage's overrides."""
@@ -550,6 +571,8 @@ def campaign_from_dict(data: Any, source: str = "campaign", source_dir: Path | N
     try:
         base = resolve_base(campaign, source_dir or Path.cwd())
         validate_ladder(campaign, base)
+        if campaign.simulate is not None:
+            simulation_calibration(campaign, source_dir or Path.cwd())
     except CampaignError as err:  # name the campaign file too
         raise CampaignError(f"{source}: {err}") from None
     return campaign, base

@@ -25,6 +25,7 @@ FORBIDDEN = {
 REGISTRY_MAY_USE = {"training.recipe", "training.yamlfile", "training.paths", "training.ownership",
                     "training.evals",
                     "training.fileio", "training.algorithms.decision_tree",
+                    "training.sim.calibration",
                     "training.algorithms.registry"}
 
 

@@ -76,13 +76,14 @@ class _EventLines:
     def __call__(self, ev: Any) -> None:
         from flows.events import (
             CandidateEvent,
+            PredictionEvent,
             PromotedEvent,
             RemediationEvent,
             StageEvent,
             StepEvent,
         )
 
-        if isinstance(ev, RemediationEvent):
+        if isinstance(ev, RemediationEvent | PredictionEvent):
             self.line(ev.line)
         elif isinstance(ev, StageEvent):
             self.line(f"stage {ev.stage}: {ev.shown}" + (f" — {ev.verdict}" if ev.verdict
@@ -230,6 +231,7 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
     from flows.events import (
         CampaignEvent,
         CandidateEvent,
+        PredictionEvent,
         PromotedEvent,
         RemediationEvent,
         StepEvent,
@@ -260,6 +262,9 @@ def _follow_flow(cflow: Any, path: Path, campaign_id: str, as_json: bool,
                             if v is not None})
             elif isinstance(ev, PromotedEvent):
                 state.setdefault((ev.stage, ev.candidate), {})["status"] = "promoted"
+            elif isinstance(ev, PredictionEvent):
+                state.setdefault((ev.stage, ev.candidate), {})["status"] = (
+                    f"predicted {ev.speedup:.2f}x")
             elif isinstance(ev, RemediationEvent):
                 if ev.candidate is not None:
                     state.setdefault((ev.stage, ev.candidate), {})["status"] = (
