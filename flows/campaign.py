@@ -215,20 +215,28 @@ def _run_candidate(db: Any, campaign_id: str, stage: str, candidate: str, recipe
     if resume is None and run_dir.exists():
         import shutil
         shutil.rmtree(run_dir)  # a start that died before its first checkpoint
-    if resume is None:
-        with _WARM_START_LOCK:  # cached for the run itself (see _WARM_START_LOCK)
-            initial_checkpoint(recipe)
     stop = _STOP_RUNS.get()
+    if resume is None:
+        while not _WARM_START_LOCK.acquire(timeout=1.0):  # cached for the run itself
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
+        try:
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
+            initial_checkpoint(recipe)
+        finally:
+            _WARM_START_LOCK.release()
 
     def progress(step: int, total: int, metrics: Mapping[str, float]) -> None:
-        if stop is not None and stop.is_set():  # caught by the run: interrupted, resumable
-            raise KeyboardInterrupt
         reward = metrics.get("rollout/reward_mean")
         _emit(_to_listeners, StepEvent(stage, candidate, step, total,
                                        None if reward is None else float(reward)))
 
+    # stop: another run of the stage failed, or Ctrl-C reached the flow (a worker thread never
+    # gets the KeyboardInterrupt itself); the run ends interrupted, resumable
     result = run_recipe(recipe, out=None if resume else run_dir, resume=resume, sinks=sinks,
-                        checkpoint_every=max(1, recipe.steps // 4), progress=progress)
+                        checkpoint_every=max(1, recipe.steps // 4), progress=progress,
+                        stop=stop, resume_hint=f"asyncrl campaign resume {campaign_id}")
     if result.interrupted:
         raise KeyboardInterrupt
     db.upsert_run(campaign_id, stage, candidate, recipe_hash, status="finished",

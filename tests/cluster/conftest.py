@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # cluster_helpers, the tests' helpers
 
-from cluster_helpers import SCRIPT, Cluster, alive
+from cluster_helpers import SCRIPT, Cluster, alive, process_tree
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +38,13 @@ def cluster(tmp_path_factory) -> Cluster:
     try:
         yield c
     finally:
+        tree = {p for top in c.pids for p in process_tree(top)}  # every process of the cluster
         stop = subprocess.run(["bash", str(SCRIPT), "stop", str(directory)], env=env,
                               capture_output=True, text=True, timeout=300)
         assert stop.returncode == 0, stop.stderr
-        assert not [p for p in c.pids if alive(p)]
+        deadline = time.monotonic() + 30  # workers exit ~2 s after their raylet
+        while time.monotonic() < deadline and any(alive(p) for p in tree):
+            time.sleep(0.5)
+        assert not [p for p in tree if alive(p)]
 
 

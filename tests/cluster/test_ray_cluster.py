@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_helpers import listening_addresses, process_tree
+from cluster_helpers import alive, listening_addresses, process_tree
 
 pytestmark = pytest.mark.slow  # a 3-node cluster and four runs (≈4 min on 2 cores)
 
@@ -117,6 +117,8 @@ def test_losing_an_engine_node_mid_run_loses_nothing(cluster, tmp_path):
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
+        node2 = process_tree(cluster.pids[2])  # its raylet, workers, actors, engine server
+        assert len(node2) >= 3
         os.kill(cluster.raylet_of(2), signal.SIGKILL)
         _, err = proc.communicate(timeout=600)
     finally:
@@ -128,6 +130,11 @@ def test_losing_an_engine_node_mid_run_loses_nothing(cluster, tmp_path):
     assert rows[-1]["async/trained_samples"] == 8 * B
     assert rows[-1]["async/engine_ejections"] >= 1
     assert len(cluster.nodes()) == 2
+    # nothing of the lost node is left running: its engine's server went with its actor
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in node2 - {cluster.pids[2]}):
+        time.sleep(0.5)
+    assert not [p for p in node2 - {cluster.pids[2]} if alive(p)]
 
 
 def test_losing_the_trainers_node_stops_the_run_with_a_clear_error(cluster, tmp_path):

@@ -115,8 +115,12 @@ def test_predict_one_step_on_the_split():
 
 @settings(max_examples=15, deadline=None)
 @given(gen=st.floats(0.5, 20), train=st.floats(0.5, 20), sigma=st.floats(0, 1.5),
-       mode=st.sampled_from(["one_step", "fully_async"]), theta=st.floats(0, 1))
-def test_speedup_never_beats_the_overlap_limit(gen, train, sigma, mode, theta):
+       mode=st.just("one_step"), theta=st.floats(0, 1))
+def test_one_step_never_beats_the_overlap_limit(gen, train, sigma, mode, theta):
+    """One-step only overlaps one batch's generation with the last one's training, so it can
+    never beat (T_gen + T_train) / max(T_gen, T_train). Fully async can: streaming and partial
+    rollout also cut each batch's wait for its longest responses (seed 002's calibration:
+    1.56 of the limit), so it is not held to it."""
     cal = calibration_from_dict(cal_dict(
         lengths={"sigma": sigma, "mean_tokens": 50, "max_tokens": 400},
         generation={"time_s": gen, "devices": 4, "load_knee": 8},

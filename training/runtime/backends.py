@@ -143,8 +143,10 @@ class EmbeddedBackend(RolloutBackend):
 
     def stop(self, ray: Any) -> None:
         if ray is not None and self.actors:
-            with contextlib.suppress(Exception):
-                ray.get([a.stop.remote() for a in self.actors], timeout=15.0)
+            refs = [a.stop.remote() for a in self.actors]  # each actor stops its server by PID
+            for ref in refs:  # one dead actor does not cut the others' graceful stop short
+                with contextlib.suppress(Exception):
+                    ray.get(ref, timeout=15.0)
             for a in self.actors:
                 with contextlib.suppress(Exception):
                     ray.kill(a)

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ from training.runtime.checkpoint import (
     write_checkpoint,
 )
 from training.runtime.pipeline import staleness_metrics, step_of_version
-from training.runtime.placement import PlacementError, RunPlacement
+from training.runtime.placement import PlacementError, RunPlacement, placing_alone
 from training.runtime.sinks import JsonlSink, MetricsSink, MultiSink
 from training.runtime.traces import ROLLOUTS_FILE, append_traces, trace_every
 from training.runtime.types import Group, RolloutState, RunCounters, RunState
@@ -254,7 +255,8 @@ class Runtime:
     def __init__(self, recipe: Recipe, *, out: Path, steps: int | None, resume: bool,
                  ray_address: str | None, sinks: Sequence[MetricsSink],
                  progress: ProgressFn | None, checkpoint_every: int,
-                 stall_timeout_s: float = 600.0) -> None:
+                 stall_timeout_s: float = 600.0, stop: threading.Event | None = None,
+                 resume_hint: str | None = None) -> None:
         self.recipe = recipe
         self.run_dir = out
         self.total_steps = int(steps if steps is not None else recipe.steps)
@@ -264,6 +266,8 @@ class Runtime:
         self.progress = progress
         self.checkpoint_every = checkpoint_every
         self.stall_timeout_s = stall_timeout_s
+        self.stop = stop
+        self.resume_hint = resume_hint
         self.placement = RunPlacement(recipe)
         self.backend: RolloutBackend = rollout_backend(recipe, out, self.placement)
         # torch.distributed backend of weight_sync: nccl (gloo: CPU tests with stand-in engines)
@@ -293,7 +297,7 @@ class Runtime:
     def _reserve(self, ray: Any) -> None:
         """The run's placement group (:mod:`.placement`): waits until the cluster has room."""
         try:
-            self.placement.reserve(ray)
+            self.placement.reserve(ray, self.stop)
         except PlacementError as e:
             raise RunError(str(e)) from None
 
@@ -343,18 +347,22 @@ class Runtime:
         try:
             ray = self._ray()
             restore = self._catch_sigint()  # after ray.init, which may install its own handler
-            self._reserve(ray)
-            # the embedded trainer's constructor (torch's import, the model and optimizer:
-            # seconds) overlaps the engines' start; Megatron's ranks take a placement group, so
-            # they wait until the engines have theirs
-            trainer_first = self.recipe.engines.train == "embedded"
-            if trainer_first:
-                self._start_trainer(ray, trainer_resume)
-            urls = self._start_engines(ray, engine_dir)
-            if not trainer_first:
-                self._start_trainer(ray, trainer_resume)
-            version0 = int(read_meta(engine_dir).get("weight_version", 0))
-            self._create_actors(ray, urls, resume_state, version0, engine_dir)
+            e = self.recipe.engines
+            # SGLang engines and Megatron ranks have placement groups of their own: the run
+            # places all of its groups before another run of this process places any
+            with placing_alone(e.rollout == "sglang" or e.train == "megatron", self.stop):
+                self._reserve(ray)
+                # the embedded trainer's constructor (torch's import, the model and optimizer:
+                # seconds) overlaps the engines' start; Megatron's ranks take a placement group,
+                # so they wait until the engines have theirs
+                trainer_first = e.train == "embedded"
+                if trainer_first:
+                    self._start_trainer(ray, trainer_resume)
+                urls = self._start_engines(ray, engine_dir)
+                if not trainer_first:
+                    self._start_trainer(ray, trainer_resume)
+                version0 = int(read_meta(engine_dir).get("weight_version", 0))
+                self._create_actors(ray, urls, resume_state, version0, engine_dir)
             if not self.step_start_versions:
                 self.step_start_versions = [ray.get(self.trainer.weight_version.remote())]
             if resume_state is None and self.recipe.eval.n > 0:
@@ -362,8 +370,8 @@ class Runtime:
                 sink.log(0, {**m, "step/eval_only": 1.0})
             t_start = time.monotonic() - self.counters.wall_time_s
             while self.step < self.total_steps:
-                if self._sigint:  # a Ctrl-C whose KeyboardInterrupt was lost inside a library
-                    raise KeyboardInterrupt
+                if self._sigint or self._stopped():  # a Ctrl-C lost inside a library, or the
+                    raise KeyboardInterrupt          # caller's stop (another thread's Ctrl-C)
                 metrics = self._one_step(ray)
                 self.counters.wall_time_s = time.monotonic() - t_start
                 metrics["async/trainer_idle_ratio"] = (
@@ -386,10 +394,10 @@ class Runtime:
             lost = _lost_actor(e)
             if lost is None:
                 raise
+            hint = self.resume_hint or f"asyncrl train --resume {self.run_dir}"
             raise RunError(f"the run's {lost} actor died at step {self.step} (its node or "
-                           "process is gone); the last checkpoint is kept: resume with "
-                           f"`asyncrl train --resume {self.run_dir}` once the cluster has room"
-                           ) from None
+                           f"process is gone); the last checkpoint is kept: resume with `{hint}` "
+                           "once the cluster has room") from None
         finally:
             restore()
             sink.close()
@@ -400,6 +408,11 @@ class Runtime:
                          trainer_checkpoint=self.run_dir / CHECKPOINT_DIR / "trainer",
                          metrics_path=metrics_path, summary=summary, steps_done=self.step,
                          interrupted=interrupted)
+
+    def _stopped(self) -> bool:
+        """The caller asked the run to stop (``stop``: e.g. Ctrl-C reaching a campaign whose
+        runs train in worker threads, which never get the KeyboardInterrupt themselves)."""
+        return self.stop is not None and self.stop.is_set()
 
     def _catch_sigint(self) -> Callable[[], None]:
         """Remember a Ctrl-C in a flag as well as raising KeyboardInterrupt, so the run stops at
@@ -478,6 +491,8 @@ class Runtime:
         dropped = 0
         last_progress = time.monotonic()
         while len(groups) < need:
+            if self._stopped():
+                raise KeyboardInterrupt
             got = ray.get(self.buffer.take.remote(need - len(groups), 2.0))
             if got is None:
                 err = ray.get(self.rollouter.error.remote())
@@ -644,7 +659,7 @@ class Runtime:
                 if self._started_ray:
                     ray.shutdown()
         finally:
-            self.backend.stop(None)  # embedded servers are this process's children
+            self.backend.stop(None)  # forget the engines (their servers watch their actors)
 
 
 def _lost_actor(err: BaseException) -> str | None:
@@ -700,7 +715,8 @@ def _summarise(metrics_path: Path, counters: RunCounters, steps: int) -> dict[st
 def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | None = None,
                resume: str | Path | None = None, ray_address: str | None = None,
                sinks: Sequence[MetricsSink] = (), progress: ProgressFn | None = None,
-               checkpoint_every: int = 10) -> RunResult:
+               checkpoint_every: int = 10, stop: threading.Event | None = None,
+               resume_hint: str | None = None) -> RunResult:
     """Run ``recipe`` to the end (see the module docstring).
 
     Args:
@@ -713,6 +729,11 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
         sinks: extra metric sinks (the JSONL sink in the run directory is always on).
         progress: called after each trainer step with (steps done, total, metrics).
         checkpoint_every: steps between checkpoints (0 = only at the end).
+        stop: set by another thread to stop the run as Ctrl-C does (checked while it waits for
+            room, between steps and while it waits for samples); the run ends interrupted,
+            resumable from its last checkpoint.
+        resume_hint: the command that resumes this run, named when a node loss stops it
+            (default ``asyncrl train --resume RUN_DIR``; a campaign names its own).
     Raises:
         RunError: a user-facing failure (bad checkpoint, engines that cannot start, a stalled
             or failed rollouter, a resume that does not match, a run directory another live
@@ -733,7 +754,7 @@ def run_recipe(recipe: Recipe, *, out: str | Path | None = None, steps: int | No
         raise RunError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     rt = Runtime(recipe, out=run_dir, steps=steps, resume=resume is not None,
                  ray_address=ray_address, sinks=sinks, progress=progress,
-                 checkpoint_every=checkpoint_every)
+                 checkpoint_every=checkpoint_every, stop=stop, resume_hint=resume_hint)
     preflight(recipe)  # refused here, before the lock creates the run directory
     try:  # one writer per run directory (two terminals resuming it would interleave its files)
         lock = RunDirLock(run_dir).acquire()

@@ -128,6 +128,8 @@ class EmbeddedEngineActor:
                         self._weights, self.restarts, self.max_restarts)
             try:
                 with self._lock:
+                    if self._stop.is_set():  # stop() came in meanwhile: no new server
+                        return
                     self._server = self._new_server().start()
                 self._server.wait_ready(120.0)
             except Exception as e:  # the next poll sees it dead and counts another restart
