@@ -293,8 +293,9 @@ class PlacementConfig(_Strict):
         "started with --resources '{\"train_node\": N}'. CPU defaults to "
         "engines.train_threads."))
     rollout: dict[str, YamlFloat] = Field(default_factory=dict, description=(
-        "Ray resources of each rollout engine's bundle (embedded engines; SGLang engines add "
-        "them to their GPU bundle). CPU defaults to engines.rollout_threads (1 for SGLang)."))
+        "Ray resources of each rollout engine's bundle. CPU defaults to "
+        "engines.rollout_threads. SGLang engines add the custom resources here to their own "
+        "bundle (1 CPU, engines.sglang.tp_size GPUs; CPU and GPU given here are ignored)."))
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description=(
         "Ray's placement strategy for the run's bundles: PACK (as few nodes as possible), "
