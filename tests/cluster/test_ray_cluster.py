@@ -129,6 +129,9 @@ def test_losing_an_engine_node_mid_run_loses_nothing(cluster, tmp_path):
     assert [r["step"] for r in rows] == list(range(8))
     assert rows[-1]["async/trained_samples"] == 8 * B
     assert rows[-1]["async/engine_ejections"] >= 1
+    deadline = time.monotonic() + 90  # the GCS marks a node dead after its health checks fail
+    while len(cluster.nodes()) != 2 and time.monotonic() < deadline:
+        time.sleep(2)
     assert len(cluster.nodes()) == 2
     # nothing of the lost node is left running: its engine's server went with its actor
     deadline = time.monotonic() + 30
