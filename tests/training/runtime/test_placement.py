@@ -66,7 +66,7 @@ def test_beside_a_run_that_holds_the_cluster_a_run_waits_for_it(ray_session):
         try:
             second.reserve(ray)
             placed.set()
-        except BaseException as e:  # noqa: BLE001 — reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     t = threading.Thread(target=place)
