@@ -120,7 +120,6 @@ def test_multi_group_runs_place_one_at_a_time():
         pass
     stop = threading.Event()
     stop.set()
-    with placing_alone(True):  # held: a stopped waiter gives up
-        with pytest.raises(KeyboardInterrupt):
-            with placing_alone(True, stop):
-                pass
+    # the lock held: a stopped waiter gives up
+    with placing_alone(True), pytest.raises(KeyboardInterrupt), placing_alone(True, stop):
+        pass
