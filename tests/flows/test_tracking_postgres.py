@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
-from flows.tracking import TAG_LOGGED_UNTIL, MLflowSink, Tracker, redact_uri
+from flows.tracking import STEP_MARK, TAG_LOGGED_UNTIL, MLflowSink, Tracker, redact_uri
 from registry.db import with_psycopg3
 from training.engines.ports import free_port
 from training.recipe import Recipe, recipe_hash
@@ -124,8 +124,9 @@ def test_tracker_on_a_fresh_postgres_database(services_home: Path, pg: str, tmp_
     # the points are rows of PostgreSQL's `metrics` table, not of some fallback store
     rows = _sql(pg, "SELECT key, step, value FROM metrics WHERE run_uuid = :r ORDER BY key, step",
                 r=child)
-    assert rows == [("policy/loss", s, pytest.approx(1.0 / (s + 1))) for s in range(5)] + \
-        [("rollout/reward_mean", s, 0.25 * s) for s in range(5)]
+    assert rows == [("asyncrl/step", s, float(s)) for s in range(5)] + \
+        [("policy/loss", s, pytest.approx(1.0 / (s + 1))) for s in range(5)] + \
+        [("rollout/reward_mean", s, 0.25 * s) for s in range(5)]  # asyncrl/step: STEP_MARK
     assert not (services_home / "mlflow" / "mlflow.db").exists()
 
     report = {"verdict": "pass", "score": 0.75, "gates": ["kl", "reward"]}
@@ -208,8 +209,11 @@ def test_up_serves_the_postgres_store(services_home: Path, postgres_db: str, tmp
     assert run.info.status == "FINISHED"
     assert run.data.tags["asyncrl.campaign_id"] == "camp-served"
     assert _history(client, run_id, "rollout/reward_mean") == [(0, 0.5), (1, 1.5), (2, 2.5)]
-    assert _sql(pg, "SELECT step, value FROM metrics WHERE run_uuid = :r ORDER BY step",
-                r=run_id) == [(0, 0.5), (1, 1.5), (2, 2.5)]
+    assert _sql(pg, "SELECT step, value FROM metrics WHERE run_uuid = :r AND key = :k "
+                "ORDER BY step", r=run_id, k="rollout/reward_mean") == [(0, 0.5), (1, 1.5),
+                                                                       (2, 2.5)]
+    assert _sql(pg, "SELECT step FROM metrics WHERE run_uuid = :r AND key = :k ORDER BY step",
+                r=run_id, k=STEP_MARK) == [(0,), (1,), (2,)]  # the sink's step marks
     artifacts = (services_home / "mlflow" / "artifacts").as_uri()
     assert client.get_experiment(exp).artifact_location.startswith(artifacts + "/")
     local = client.download_artifacts(run_id, "gates/report.json", str(tmp_path))
