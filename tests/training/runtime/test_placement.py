@@ -50,6 +50,7 @@ def test_a_run_that_does_not_fit_gives_up_with_one_line(ray_session):
     assert p.group is None
 
 
+@pytest.mark.slow  # ≈5 s of waiting past a timeout
 def test_beside_a_run_that_holds_the_cluster_a_run_waits_for_it(ray_session):
     """Past its timeout a run still waits while another run of this process holds a group and
     the cluster could hold both one after the other; it is placed once that run ends."""

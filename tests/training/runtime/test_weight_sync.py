@@ -166,6 +166,7 @@ def test_embedded_servers_run_on_ray_actors_with_the_recipes_thread_count(
     assert not any(Path(f"/proc/{p}").exists() for p in pids)  # stopped
 
 
+@pytest.mark.slow  # ≈12 s: a server killed and started again
 def test_a_dead_embedded_server_is_restarted_by_its_actor(tmp_path, monkeypatch, ray_session):
     """kill -9 of a server: its actor starts it again on the same port, from the newest weights
     the run named (set_weights), and it answers again."""
